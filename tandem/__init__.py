@@ -1,0 +1,9 @@
+"""tandem: fast LLM generation colocated with RL training on the same GPUs."""
+
+from tandem.config import EngineConfig
+from tandem.engine.llm import LLM
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig"]
+__version__ = "0.1.0"

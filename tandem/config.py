@@ -1,0 +1,86 @@
+"""EngineConfig: every engine knob in one dataclass; the CLI reads its defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+_LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt", "gguf")
+_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings, named as vLLM names them. Checked in `__post_init__`."""
+
+    model: str | None = None  # None: the embedded default (SmolLM2-135M-Instruct)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    enable_sleep_mode: bool = False
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_space_gib: float = 4.0  # KV cache size when running on a CPU (vLLM's default)
+    max_seq_len_to_capture: int = 8192
+    logprobs_mode: str = "raw_logprobs"
+    trust_remote_code: bool = False
+    revision: str | None = None
+    attention_backend: str = "auto"  # auto | torch | triton
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
+        if self.logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(
+                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
+            )
+        if self.cpu_kv_cache_space_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_space_gib must be > 0, got {self.cpu_kv_cache_space_gib}")
+
+    def check_model_len(self, max_model_len: int) -> None:
+        """Called once the model's context length is known."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) unless chunked prefill is on"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; valid ones: {sorted(names)}")
+        return cls(**kwargs)

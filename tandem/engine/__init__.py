@@ -1,0 +1,1 @@
+"""The generation engine: sequences, blocks, scheduling, model running, the offline API."""

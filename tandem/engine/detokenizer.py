@@ -1,0 +1,31 @@
+"""Incremental detokenization: text deltas that never split a multi-byte character."""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 6  # prompt tokens decoded alongside, so the first word keeps its leading space
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the text it completes (may be empty)."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""

@@ -1,0 +1,111 @@
+"""LLM: vLLM's offline API (`generate`, `chat`) over one LLMEngine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine, PromptType
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline generation. `model` is a local HF dir, a .gguf file, an architecture name (with
+    load_format="dummy"), an in-memory transformers model, or None for the embedded default."""
+
+    def __init__(self, model=None, tokenizer=None, **kwargs):
+        tok_obj = None
+        if tokenizer is not None and not isinstance(tokenizer, str):
+            tok_obj, tokenizer = tokenizer, None
+        hf_model = model if isinstance(model, torch.nn.Module) else None
+        self.config = EngineConfig.from_kwargs(
+            model=None if hf_model is not None else model, tokenizer=tokenizer, **kwargs
+        )
+        self.llm_engine = LLMEngine(self.config, model=hf_model, tokenizer=tok_obj)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        engine = self.llm_engine
+        # Check everything before queueing anything, so bad input leaves the engine untouched.
+        tokenized = []
+        for p, sp in zip(prompts, params):
+            text, ids = engine.tokenize_prompt(p)
+            engine.validate_request(ids, sp)
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        ids = [engine.add_request(None, t, sp, output_kind="final_only") for t, sp in zip(tokenized, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered through the tokenizer's chat template."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat() needs a tokenizer; this model has none")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("chat(): the tokenizer has no chat template; pass chat_template=...")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(
+                conv, chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+            )
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _as_list(self, prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(list(engine.requests))  # never leave blocks behind
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in request_ids]

@@ -1,0 +1,322 @@
+"""LLMEngine: requests in, RequestOutputs out; one `step()` runs one batch through the model."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence
+from tandem.engine.stop_checker import check_stop, find_stop_string
+from tandem.layers.sampler import SamplerOutput
+from tandem.models.loader import (
+    ModelSource,
+    build_model,
+    check_all_loaded,
+    init_dummy_weights,
+    load_weights,
+    resolve_model,
+)
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: str  # "cumulative" | "delta" | "final_only"
+    seqs: list[Sequence] = field(default_factory=list)
+    detokenizers: list[IncrementalDetokenizer] | None = None
+    sent_tokens: list[int] = field(default_factory=list)  # per sample, for delta outputs
+    sent_chars: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The engine loop of DESIGN.md: add_request -> step (schedule, run, postprocess) -> outputs."""
+
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
+        self.config = config
+        source = resolve_model(model if model is not None else config.model, config.load_format,
+                               config.trust_remote_code)
+        self.hf_config = source.hf_config
+        self.device = resolve_device(config.device, source.hf_model)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device, source.hf_model)
+        self.max_model_len = self._resolve_max_model_len()
+        config.check_model_len(self.max_model_len)
+        self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(source)
+        self.model = build_model(self.hf_config, self.max_model_len, self.dtype, self.device)
+        self._load_initial_weights(source)
+        self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
+        self.num_blocks = determine_num_blocks(self, config)
+        self.model_runner.allocate_kv_cache(self.num_blocks)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, RequestState] = {}
+        self._request_counter = itertools.count()
+        self.num_generated_tokens = 0
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _resolve_max_model_len(self) -> int:
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if self.config.max_model_len is None:
+            return model_len
+        if self.config.max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len ({self.config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_len}); use a value <= {model_len}"
+            )
+        return self.config.max_model_len
+
+    def _load_tokenizer(self, source: ModelSource):
+        path = self.config.tokenizer or source.tokenizer_path
+        if path is None:
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
+
+    def _load_initial_weights(self, source: ModelSource) -> None:
+        if self.config.load_format == "dummy":
+            init_dummy_weights(self.model, self.config.seed)
+            return
+        check_all_loaded(self.model, load_weights(self.model, source.weights()))
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen_cfg = None
+        path = getattr(self.hf_config, "_name_or_path", None)
+        if path:
+            try:
+                from transformers import GenerationConfig
+
+                gen_cfg = GenerationConfig.from_pretrained(path)
+            except (OSError, ValueError):
+                gen_cfg = None
+        for src in (gen_cfg, self.hf_config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is not None:
+                ids.update([eos] if isinstance(eos, int) else eos)
+                break
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # -- requests ------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids instead")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must not be empty")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {n} tokens is too long; max_model_len is {self.max_model_len}, so a prompt "
+                f"may have at most {self.max_model_len - 1} tokens"
+            )
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > 20:
+            raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams,
+        output_kind: str = "cumulative",
+    ) -> str:
+        """Queue a request; raises ValueError (engine state untouched) on bad input."""
+        if output_kind not in ("cumulative", "delta", "final_only"):
+            raise ValueError(f"output_kind must be cumulative, delta or final_only, got {output_kind!r}")
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_request(ids, params)
+        if request_id is None:
+            request_id = str(next(self._request_counter))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        state = RequestState(request_id, text, ids, params, output_kind)
+        leader = None
+        for i in range(params.n):
+            seq = Sequence(ids, params, request_id, i, leader)
+            leader = leader or seq
+            state.seqs.append(seq)
+        if output_kind != "final_only" or params.stop_strings:
+            if params.detokenize and self.tokenizer is not None:
+                state.detokenizers = [
+                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                    for _ in state.seqs
+                ]
+        state.sent_tokens = [0] * params.n
+        state.sent_chars = [0] * params.n
+        self.requests[request_id] = state
+        for seq in state.seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        for rid in ids:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError(
+                    "the KV cache cannot hold even one waiting sequence; lower max_model_len or "
+                    "raise gpu_memory_utilization"
+                )
+            return []
+        sampled = self.model_runner.run(sched)
+        self.scheduler.update_from_output(sched)
+        touched: dict[str, RequestState] = {}
+        if sampled is not None:
+            self._postprocess(sched, sampled, touched)
+        return [out for st in touched.values() if (out := self._make_output(st)) is not None]
+
+    def _postprocess(self, sched, sampled: SamplerOutput, touched: dict[str, RequestState]) -> None:
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist()
+        topk_ids = sampled.topk_ids.tolist() if sampled.topk_ids is not None else None
+        topk_lps = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
+        ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
+        row = 0
+        for i, seq in enumerate(sched.seqs):
+            if not sched.sampling[i]:
+                continue
+            tok, lp = token_ids[row], logprobs[row]
+            seq.append_token(tok, lp)
+            if seq.sampling_params.logprobs is not None:
+                entry = {tok: (lp, ranks[row])}
+                k = seq.sampling_params.logprobs
+                if k and topk_ids is not None:
+                    for r, (t, l) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k])):
+                        entry.setdefault(t, (l, r + 1))
+                seq.top_logprobs.append(entry)
+            row += 1
+            state = self.requests[seq.request_id]
+            touched[seq.request_id] = state
+            self.num_generated_tokens += 1
+            self._check_finished(state, seq)
+
+    def _check_finished(self, state: RequestState, seq: Sequence) -> None:
+        stop = check_stop(seq, self.eos_token_ids, self.max_model_len)
+        if state.detokenizers is not None:
+            det = state.detokenizers[seq.index]
+            delta = det.add(seq.last_token_id)
+            if stop is None and delta and seq.sampling_params.stop_strings:
+                hit = find_stop_string(det.text, len(delta), seq.sampling_params.stop_strings)
+                if hit is not None:
+                    stop_str, idx = hit
+                    end = idx + len(stop_str) if seq.sampling_params.include_stop_str_in_output else idx
+                    det.text = det.text[:end]
+                    stop = ("stop", stop_str)
+            seq.output_text = det.text
+        if stop is not None:
+            self.scheduler.finish(seq, stop[0], stop[1])
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finished
+        if state.output_kind == "final_only" and not finished:
+            return None
+        outputs = []
+        for seq in state.seqs:
+            i = seq.index
+            start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
+            text = seq.output_text if state.detokenizers is not None else self._decode_final(seq)
+            start_chr = state.sent_chars[i] if state.output_kind == "delta" else 0
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text[start_chr:],
+                    token_ids=seq.output_token_ids[start_tok:],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=self._logprobs(seq, start_tok),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            state.sent_tokens[i] = seq.num_output_tokens
+            state.sent_chars[i] = len(text)
+        if finished:
+            self.requests.pop(state.request_id, None)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=state.seqs[0].num_cached_tokens,
+        )
+
+    def _decode_final(self, seq: Sequence) -> str:
+        if not seq.is_finished or self.tokenizer is None or not seq.sampling_params.detokenize:
+            return ""
+        return self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
+        )
+
+    def _logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]] | None:
+        if seq.sampling_params.logprobs is None:
+            return None
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [
+            {t: Logprob(lp, rank, decode([t]) if decode else None) for t, (lp, rank) in entry.items()}
+            for entry in seq.top_logprobs[start:]
+        ]
+
+    # -- introspection -------------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()

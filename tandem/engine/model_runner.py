@@ -1,0 +1,156 @@
+"""ModelRunner: turns a scheduled step into tensors, runs the model, samples on the device."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.forward_context import AttentionMetadata, set_attention_metadata
+from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.sequence import Sequence
+from tandem.layers.attention import Attention
+from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, dtype):
+        self.config = config
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.vocab_size = model.config.vocab_size
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler(config.seed, device)
+        self.pin = device.type == "cuda"
+
+    # -- KV cache --------------------------------------------------------------------------------
+    def kv_cache_block_bytes(self) -> int:
+        a = self.attn_layers[0]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        a = self.attn_layers[0]
+        shape = (len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.bind_kv_cache()
+
+    def bind_kv_cache(self) -> None:
+        for i, layer in enumerate(self.attn_layers):
+            if self.kv_cache is None:
+                layer.k_cache = layer.v_cache = None
+            else:
+                layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    def free_kv_cache(self) -> None:
+        self.kv_cache = None
+        self.bind_kv_cache()
+
+    def set_attention_backend(self, backend) -> None:
+        for layer in self.attn_layers:
+            layer.backend = backend
+
+    # -- batch building ----------------------------------------------------------------------------
+    def _to_device(self, data: list, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
+        return t.to(self.device, non_blocking=True)
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            if sched.sampling[i]:
+                sample_rows.append(query_start_loc[-1] - 1)
+        max_blocks = max(len(s.block_table) for s in sched.seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.seqs]
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64),
+            query_start_loc=self._to_device(query_start_loc, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(tables, torch.int32),
+            max_query_len=max(sched.num_new_tokens),
+            max_seq_len=max(seq_lens),
+            decode_only=sched.is_decode_only,
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        return (
+            self._to_device(input_ids, torch.int64),
+            self._to_device(positions, torch.int64),
+            meta,
+            sample_rows,
+        )
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
+        params = [s.sampling_params for s in seqs]
+        greedy = [p.greedy for p in params]
+        dev = self.device
+        V = self.vocab_size
+        m = SamplingMetadata(
+            temperature=self._to_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32),
+            greedy=self._to_device(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=None,
+            top_p=None,
+            min_p=None,
+            generators={},
+            max_num_logprobs=max((p.logprobs if p.logprobs is not None else -1) for p in params),
+            processed_logprobs=self.config.logprobs_mode == "processed_logprobs",
+        )
+        if any(p.top_k > 0 for p in params):
+            m.top_k = self._to_device([p.top_k if p.top_k > 0 else V for p in params], torch.int64)
+        if any(p.top_p < 1.0 for p in params):
+            m.top_p = self._to_device([p.top_p for p in params], torch.float32)
+        if any(p.min_p > 0.0 for p in params):
+            m.min_p = self._to_device([p.min_p for p in params], torch.float32)
+        for row, seq in enumerate(seqs):
+            if seq.sampling_params.seed is not None and not greedy[row]:
+                if seq.generator is None:
+                    seed = seq.sampling_params.seed + seq.index
+                    seq.generator = torch.Generator(device=dev).manual_seed(seed)
+                m.generators[row] = seq.generator
+        if any(p.has_penalties for p in params):
+            S = len(seqs)
+            prompt_mask = torch.zeros(S, V + 1, dtype=torch.bool)
+            counts = torch.zeros(S, V + 1, dtype=torch.int32)
+            for row, seq in enumerate(seqs):
+                prompt_mask[row, seq.prompt_token_ids] = True
+                out = torch.tensor(seq.output_token_ids, dtype=torch.int64)
+                counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+            m.prompt_mask = prompt_mask[:, :V].to(dev)
+            m.output_counts = counts[:, :V].to(dev)
+            m.repetition_penalty = self._to_device([p.repetition_penalty for p in params], torch.float32)
+            m.presence_penalty = self._to_device([p.presence_penalty for p in params], torch.float32)
+            m.frequency_penalty = self._to_device([p.frequency_penalty for p in params], torch.float32)
+        return m
+
+    # -- running -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> SamplerOutput | None:
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(sched)
+        with set_attention_metadata(meta):
+            hidden = self.model(input_ids, positions)
+        if not sample_rows:
+            return None
+        sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
+        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        logits = self.model.compute_logits(hidden[rows])
+        return self.sampler(logits, self.prepare_sampling(sampling_seqs))

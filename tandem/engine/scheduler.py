@@ -1,0 +1,164 @@
+"""Scheduler: continuous batching with chunked prefill, running sequences first, preemption."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: each sequence with the number of its tokens to compute now."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # whether each sequence's chunk reaches its last token, so the step samples a token for it
+    sampling: list[bool] = field(default_factory=list)
+    num_preempted: int = 0
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+        self.sampling.append(seq.num_computed_tokens + num_new == seq.num_tokens)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_new_tokens)
+
+
+class Scheduler:
+    """Decides each step which sequences run and how many tokens each computes.
+
+    Running sequences go first (decodes and unfinished prefill chunks), in arrival order; waiting
+    ones join while the token budget, `max_num_seqs` and free blocks allow. When blocks run out the
+    newest running sequence is preempted: its blocks are freed and it is recomputed later.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    i += 1
+                    continue
+                num_new = budget
+            while not bm.can_append(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                bm.append_slots(seq, num_new)
+                out.add(seq, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the sequence itself was preempted: nothing after it fits either
+
+        if out.num_preempted:
+            return out  # memory is short: do not admit new work this step
+
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if self._waits_for_leader(seq):
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = bm.find_cached_blocks(seq)
+            num_new = seq.num_tokens - len(cached) * bm.block_size
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.can_allocate(seq, cached, num_new):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, cached, num_new)
+            if seq.num_cached_tokens == 0 and seq.num_output_tokens == 0:
+                seq.num_cached_tokens = len(cached) * bm.block_size
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.add(seq, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """Samples of one prompt wait for the first one's prefill, then share its cached blocks."""
+        leader = seq.leader
+        if leader is None or leader.is_finished or not self.block_manager.enable_prefix_caching:
+            return False
+        if seq.num_prompt_tokens <= self.block_manager.block_size:
+            return False  # no full block to share
+        return leader.in_prompt_prefill
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def update_from_output(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts after the model ran the step."""
+        bm = self.block_manager
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            bm.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark a sequence done (stopped, length, aborted) and free its blocks."""
+        if seq.is_finished:
+            return
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED

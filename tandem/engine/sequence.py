@@ -1,0 +1,101 @@
+"""Sequence: one sample being generated, its tokens, its KV blocks and its progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from tandem.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Sequence:
+    """Prompt plus generated tokens of one sample.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache; the tokens after it are what the
+    next step must run. A decode step runs one token (the last sampled), a prefill chunk many.
+    """
+
+    _counter = itertools.count()
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str = "",
+        index: int = 0,
+        leader: "Sequence | None" = None,
+    ):
+        self.seq_id = next(Sequence._counter)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples this is
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.leader = leader  # sibling whose prompt prefill this one waits for, to share its blocks
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first schedule
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of full blocks, by content
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[float] = []  # logprob of each sampled token
+        self.top_logprobs: list[dict[int, float]] = []  # when sampling_params.logprobs is set
+        self.prompt_logprobs: list[dict[int, float] | None] = []
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.output_text = ""
+        self.generator = None  # torch.Generator for a seeded request, made on first sample
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def in_prompt_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def append_token(self, token_id: int, logprob: float) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.cumulative_logprob += logprob
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table}, {self.status.name})"
+        )

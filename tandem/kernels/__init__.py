@@ -1,0 +1,1 @@
+"""Compute kernels. Each Triton kernel sits beside the torch reference it is tested against."""

@@ -1,0 +1,1 @@
+"""Model building blocks: attention, linear, norm, rotary, activation, sampler."""

@@ -1,0 +1,53 @@
+"""Linear layers with weight loaders, so checkpoints load into merged (q/k/v, gate/up) weights.
+
+Tensor parallelism replaces these from outside the model (`tandem.parallel`); each layer's
+`weight_loader(param, loaded, shard_id)` is where a parallel version picks its slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class Linear(nn.Linear):
+    """A plain linear layer (no sharding)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded)
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of one input stored as one weight, e.g. q/k/v or gate/up."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], shard_ids: list, bias: bool):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = output_sizes
+        self.shard_ids = list(shard_ids)
+
+    def shard_range(self, shard_id) -> tuple[int, int]:
+        i = self.shard_ids.index(shard_id)
+        start = sum(self.output_sizes[:i])
+        return start, self.output_sizes[i]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # already merged in the checkpoint
+            default_weight_loader(param, loaded)
+            return
+        start, size = self.shard_range(shard_id)
+        default_weight_loader(param.data.narrow(0, start, size), loaded)
+
+
+class QKVLinear(MergedLinear):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+        self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        q, kv = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [q, kv, kv], ["q", "k", "v"], bias)

@@ -1,0 +1,109 @@
+"""Sampler: penalties, temperature, top-k/top-p/min-p and logprobs, all on the device.
+
+Sampling uses the exponential race (argmax of p / Exp(1)), which draws from p with no
+host synchronisation; rows with their own seed draw their noise from their own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [S] fp32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [S] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [S] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [S] fp32
+    min_p: torch.Tensor | None  # [S] fp32
+    generators: dict[int, torch.Generator]  # row -> per-request generator
+    max_num_logprobs: int  # top-k logprobs wanted by any row; -1: none
+    processed_logprobs: bool
+    # penalties (None when no row has any)
+    prompt_mask: torch.Tensor | None = None  # [S, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # [S, V] counts in the output so far
+    repetition_penalty: torch.Tensor | None = None  # [S]
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64
+    logprobs: torch.Tensor  # [S] fp32, of the sampled token
+    topk_ids: torch.Tensor | None = None  # [S, k]
+    topk_logprobs: torch.Tensor | None = None  # [S, k]
+    ranks: torch.Tensor | None = None  # [S] rank of the sampled token (1 = most likely)
+
+
+def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
+    """vLLM's semantics: repetition over prompt+output, presence/frequency over the output."""
+    counts = m.output_counts
+    seen = m.prompt_mask | (counts > 0)
+    rep = m.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - m.frequency_penalty[:, None] * counts
+    logits = logits - m.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = (logits_sort.size(1) - top_k).clamp(min=0).unsqueeze(1)
+        threshold = logits_sort.gather(1, kth)
+        logits_sort.masked_fill_(logits_sort < threshold, float("-inf"))
+    if top_p is not None:
+        cum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        logits_sort.masked_fill_(drop, float("-inf"))
+    return logits.scatter(1, logits_idx, logits_sort)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler(nn.Module):
+    def __init__(self, seed: int, device: torch.device):
+        super().__init__()
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        if m.output_counts is not None:
+            logits = apply_penalties(logits, m)
+        raw = logits
+        greedy_ids = logits.argmax(dim=-1)
+        if m.all_greedy:
+            token_ids, processed = greedy_ids, logits
+        else:
+            processed = logits / m.temperature[:, None]
+            if m.top_k is not None or m.top_p is not None:
+                processed = apply_top_k_top_p(processed, m.top_k, m.top_p)
+            if m.min_p is not None:
+                processed = apply_min_p(processed, m.min_p)
+            probs = processed.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for row, gen in m.generators.items():
+                noise[row].exponential_(generator=gen)
+            sampled = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(m.greedy, greedy_ids, sampled)
+        logprobs_all = torch.log_softmax(processed if m.processed_logprobs else raw, dim=-1)
+        token_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
+        out = SamplerOutput(token_ids=token_ids, logprobs=token_logprobs)
+        if m.max_num_logprobs >= 0:
+            out.ranks = (logprobs_all > token_logprobs[:, None]).sum(dim=-1) + 1
+            if m.max_num_logprobs > 0:
+                out.topk_logprobs, out.topk_ids = logprobs_all.topk(m.max_num_logprobs, dim=-1)
+        return out
