@@ -71,6 +71,7 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.eos_token_ids = self._eos_token_ids()
+        self.model_runner.eos_token_ids = self.eos_token_ids
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0

@@ -24,6 +24,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
+        self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
@@ -127,6 +128,15 @@ class ModelRunner:
                     seed = seq.sampling_params.seed + seq.index
                     seq.generator = torch.Generator(device=dev).manual_seed(seed)
                 m.generators[row] = seq.generator
+        rows, cols = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if seq.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                rows.extend([row] * len(banned))
+                cols.extend(banned)
+        if rows:
+            m.min_tokens_mask = (self._to_device(rows, torch.int64), self._to_device(cols, torch.int64))
         if any(p.has_penalties for p in params):
             S = len(seqs)
             prompt_mask = torch.zeros(S, V + 1, dtype=torch.bool)

@@ -23,6 +23,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> per-request generator
     max_num_logprobs: int  # top-k logprobs wanted by any row; -1: none
     processed_logprobs: bool
+    # (rows, token ids) whose logits are -inf: EOS and stop tokens before min_tokens
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # penalties (None when no row has any)
     prompt_mask: torch.Tensor | None = None  # [S, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [S, V] counts in the output so far
@@ -81,6 +83,8 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
+        if m.min_tokens_mask is not None:
+            logits[m.min_tokens_mask] = float("-inf")
         if m.output_counts is not None:
             logits = apply_penalties(logits, m)
         raw = logits
