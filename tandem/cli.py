@@ -58,14 +58,22 @@ def _add_optional_commands(sub) -> None:
     """Commands whose modules pull in extra dependencies register themselves here."""
     from importlib import import_module
 
-    for module in ("tandem.serve.cli", "tandem.bench.cli_main", "tandem.rl.cli"):
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, sweep, interconnect, ...")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    registrations = [
+        ("tandem.bench.throughput", "add_parser", bench_sub),
+        ("tandem.bench.cli", "add_bench_subcommands", bench_sub),
+        ("tandem.serve.cli", "add_subcommands", sub),
+        ("tandem.rl.cli", "add_subcommands", sub),
+    ]
+    for module, fn, target in registrations:
         try:
             mod = import_module(module)
         except ModuleNotFoundError as e:
             if e.name and e.name.startswith("tandem"):
                 continue  # that part is not built
             raise
-        mod.add_subcommands(sub)
+        getattr(mod, fn)(target)
 
 
 def main(argv: list[str] | None = None) -> int:

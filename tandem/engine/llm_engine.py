@@ -63,8 +63,12 @@ class LLMEngine:
         self.model = build_model(self.hf_config, self.max_model_len, self.dtype, self.device)
         self._load_initial_weights(source)
         self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
+        self.attention_backend = self.model_runner.set_attention_backend(config.attention_backend)
         self.num_blocks = determine_num_blocks(self, config)
         self.model_runner.allocate_kv_cache(self.num_blocks)
+        self.cudagraph_capture_s = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton":
+            self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -22,6 +22,7 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None
+        self.graph_runner = None  # CUDAGraphRunner once captured
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
@@ -49,9 +50,21 @@ class ModelRunner:
         self.kv_cache = None
         self.bind_kv_cache()
 
-    def set_attention_backend(self, backend) -> None:
+    def set_attention_backend(self, name: str) -> str:
+        """'auto' picks Triton on a GPU and the torch reference elsewhere."""
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from tandem.layers.triton_attention import TritonAttentionBackend
+
+            backend = TritonAttentionBackend()
+        else:
+            from tandem.layers.attention import TorchAttentionBackend
+
+            backend = TorchAttentionBackend()
         for layer in self.attn_layers:
             layer.backend = backend
+        return name
 
     # -- batch building ----------------------------------------------------------------------------
     def _to_device(self, data: list, dtype) -> torch.Tensor:
@@ -152,15 +165,35 @@ class ModelRunner:
             m.frequency_penalty = self._to_device([p.frequency_penalty for p in params], torch.float32)
         return m
 
+    def capture_cudagraphs(self, max_model_len: int) -> float:
+        """Capture decode graphs for the batch-size ladder; returns the seconds it took."""
+        import time
+
+        from tandem.engine.cuda_graph import CUDAGraphRunner
+
+        t0 = time.perf_counter()
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks, self.device)
+        self.graph_runner.capture()
+        return time.perf_counter() - t0
+
     # -- running -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> SamplerOutput | None:
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched)
-        with set_attention_metadata(meta):
-            hidden = self.model(input_ids, positions)
         if not sample_rows:
+            with set_attention_metadata(meta):
+                self.model(input_ids, positions)
             return None
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
-        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[rows])
+        graphs = self.graph_runner
+        if meta.decode_only and graphs is not None and graphs.can_run(len(sched.seqs)):
+            logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        else:
+            with set_attention_metadata(meta):
+                hidden = self.model(input_ids, positions)
+            if len(sample_rows) < hidden.shape[0]:
+                rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+                hidden = hidden[rows]
+            logits = self.model.compute_logits(hidden)
         return self.sampler(logits, self.prepare_sampling(sampling_seqs))

@@ -9,5 +9,9 @@ from torch import nn
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from tandem.kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -21,6 +21,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.is_cuda and x.dim() == 2:  # fused Triton kernel (one pass for add + norm)
+            from tandem.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual  # in the activation dtype, as HF's decoder layer adds

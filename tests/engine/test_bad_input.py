@@ -1,7 +1,7 @@
 """Invariant 4: bad input is a ValueError naming the field, raised before any work starts."""
 
 import pytest
-from conftest import assert_no_leak, make_tiny_model
+from model_fixtures import assert_no_leak, make_tiny_model
 
 from tandem import LLM, SamplingParams
 
@@ -80,7 +80,7 @@ def test_unknown_model_path_and_architecture(tmp_path):
 
 
 def test_chat_without_template(tmp_path):
-    from conftest import make_tokenizer
+    from model_fixtures import make_tokenizer
 
     tok = make_tokenizer()
     tok.chat_template = None

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_no_leak, make_tiny_model
+from model_fixtures import assert_no_leak, make_tiny_model
 
 from tandem import LLM, SamplingParams
 

@@ -1,6 +1,6 @@
 """Prefix caching shares blocks; preemption under a tiny KV cache still finishes identically."""
 
-from conftest import assert_no_leak, make_tiny_model
+from model_fixtures import assert_no_leak, make_tiny_model
 
 from tandem import LLM, SamplingParams
 

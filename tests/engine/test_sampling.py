@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_no_leak, make_tiny_model
+from model_fixtures import assert_no_leak, make_tiny_model
 
 from tandem import LLM, SamplingParams
 from tandem.layers.sampler import apply_min_p, apply_top_k_top_p

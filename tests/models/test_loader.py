@@ -1,7 +1,7 @@
 """Loading from a HF directory, an in-memory model, a preset with dummy weights, and GGUF."""
 
 import torch
-from conftest import make_tiny_model
+from model_fixtures import make_tiny_model
 
 from tandem import LLM, SamplingParams
 from tandem.models.loader import load_weights

@@ -1,0 +1,71 @@
+"""The decode ceiling of BENCHMARKS.md: weights + KV read per step against HBM bandwidth and FLOPs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Measured on one H200 here (BENCHMARKS.md): device copy 4.2 TB/s, bf16 matmul 791 TFLOP/s.
+H200_HBM_BYTES_PER_S = 4.2e12
+H200_BF16_FLOPS = 791e12
+
+
+@dataclass
+class ModelShape:
+    params: int  # counted once when embeddings are tied
+    weight_bytes: int
+    kv_bytes_per_token: int  # all layers, K and V
+
+    @classmethod
+    def from_hf_config(cls, cfg, dtype_bytes: int = 2) -> "ModelShape":
+        h, layers, inter, vocab = (
+            cfg.hidden_size,
+            cfg.num_hidden_layers,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
+        heads = cfg.num_attention_heads
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        hd = getattr(cfg, "head_dim", None) or h // heads
+        attn = h * hd * (heads + 2 * kv) + heads * hd * h
+        mlp = 3 * h * inter
+        per_layer = attn + mlp + 2 * h
+        tied = getattr(cfg, "tie_word_embeddings", False)
+        params = layers * per_layer + vocab * h * (1 if tied else 2) + h
+        return cls(params, params * dtype_bytes, 2 * layers * kv * hd * dtype_bytes)
+
+
+def decode_step_seconds(
+    shape: ModelShape,
+    batch: int,
+    context_tokens: int,
+    hbm: float = H200_HBM_BYTES_PER_S,
+    flops: float = H200_BF16_FLOPS,
+) -> float:
+    """Lower bound of one decode step: `batch` sequences holding `context_tokens` tokens in all."""
+    memory = (shape.weight_bytes + shape.kv_bytes_per_token * context_tokens) / hbm
+    compute = 2 * shape.params * batch / flops
+    return max(memory, compute)
+
+
+def ceiling_tokens_per_s(
+    shape: ModelShape,
+    input_lens: list[int],
+    output_lens: list[int],
+    max_num_seqs: int,
+    hbm: float = H200_HBM_BYTES_PER_S,
+    flops: float = H200_BF16_FLOPS,
+) -> float:
+    """Output tokens/s if every decode step ran at the ceiling (prefill ignored: it only lowers it).
+
+    Requests run in waves of `max_num_seqs`; each step's KV read is the context of the live ones.
+    """
+    total_time = 0.0
+    reqs = sorted(zip(input_lens, output_lens), key=lambda r: r[1])
+    for w in range(0, len(reqs), max_num_seqs):
+        wave = reqs[w : w + max_num_seqs]
+        longest = max(o for _, o in wave)
+        for step in range(longest):
+            live = [(i, o) for i, o in wave if o > step]
+            context = sum(i + step for i, _ in live)
+            total_time += decode_step_seconds(shape, len(live), context, hbm, flops)
+    return sum(output_lens) / total_time if total_time else 0.0

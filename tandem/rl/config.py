@@ -1,0 +1,350 @@
+"""GRPOConfig: every GRPO training knob in one dataclass, named as TRL's GRPOConfig names them.
+
+The CLI (`tandem train grpo`) reads its defaults from here; `__post_init__` checks the values and
+derives `steps_per_generation` / `generation_batch_size` the way TRL does.
+"""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+VLLM_MODES = ("colocate", "server")
+REPORT_TO = ("jsonl", "tensorboard")
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO settings. Batch sizes count completions (prompts x num_generations), as in TRL."""
+
+    output_dir: str = "runs/grpo"
+    seed: int = 42
+
+    # How long: max_steps > 0 wins over num_train_epochs (TRL/HF semantics).
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
+
+    # Batching. One generation batch = generation_batch_size completions, consumed in
+    # steps_per_generation micro-batches of per_device_train_batch_size completions.
+    num_generations: int = 8
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    steps_per_generation: int | None = None  # None: gradient_accumulation_steps
+    generation_batch_size: int | None = (
+        None  # None: per_device_train_batch_size * steps_per_generation
+    )
+    num_iterations: int = 1  # mu: optimisation passes over each generation batch
+    shuffle_dataset: bool = True
+
+    # Lengths, in tokens. Prompts longer than max_prompt_length keep their last tokens.
+    max_prompt_length: int | None = 512
+    max_completion_length: int = 256
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    # Sampling (vLLM SamplingParams semantics: top_k 0 and min_p 0 disable).
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    # Optimiser and schedule (AdamW).
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    gradient_checkpointing: bool = True
+    bf16: bool | None = None  # None: bf16 where the device supports it, else fp32
+
+    # Loss.
+    beta: float = 0.0  # KL coefficient; 0 means no reference model is kept
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon (DAPO's clip-higher recommends 0.28)
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"  # "sequence" is GSPO
+    scale_rewards: str | bool = "group"  # True -> "group", False -> "none", as TRL accepts
+    mask_truncated_completions: bool = False
+    reward_weights: list[float] | None = None
+
+    # Correction for the gap between the engine's sampling logprobs and the trainer's.
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None  # deprecated in TRL: sets clip_max
+
+    # Generation engine.
+    vllm_mode: str = "colocate"
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_enable_sleep_mode: bool = True
+    engine_sleep_level: int = 2  # 1: free KV cache only; 2: also drop engine-only weight copies
+    vllm_tensor_parallel_size: int = 1
+    vllm_max_model_length: int | None = None
+
+    # Logging and checkpoints.
+    logging_steps: int = 1
+    report_to: list[str] | tuple[str, ...] | str = ("jsonl", "tensorboard")  # or "all", "none"
+    log_completions: bool = False
+    num_completions_to_print: int | None = 4
+    save_steps: int = 500
+    save_total_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_batching()
+        self._check_loss()
+        self._check_importance_sampling()
+        self._check_sampling()
+        self._check_optimiser()
+        self._check_engine()
+        self._check_logging()
+
+    # ---- checks, one group each ----------------------------------------------------------------
+
+    def _check_batching(self) -> None:
+        _at_least(
+            "num_generations",
+            self.num_generations,
+            2,
+            "GRPO compares completions within a group, so it needs at least 2 per prompt",
+        )
+        _at_least("per_device_train_batch_size", self.per_device_train_batch_size, 1)
+        _at_least("gradient_accumulation_steps", self.gradient_accumulation_steps, 1)
+        _at_least("num_iterations", self.num_iterations, 1)
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError(
+                "set only one of generation_batch_size and steps_per_generation; the other is "
+                "derived from per_device_train_batch_size"
+            )
+        if self.generation_batch_size is not None:
+            _at_least("generation_batch_size", self.generation_batch_size, 1)
+            if self.generation_batch_size % self.per_device_train_batch_size:
+                raise ValueError(
+                    f"generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                    f"per_device_train_batch_size ({self.per_device_train_batch_size})"
+                )
+            self.steps_per_generation = (
+                self.generation_batch_size // self.per_device_train_batch_size
+            )
+        else:
+            if self.steps_per_generation is None:
+                self.steps_per_generation = self.gradient_accumulation_steps
+            _at_least("steps_per_generation", self.steps_per_generation, 1)
+            self.generation_batch_size = (
+                self.per_device_train_batch_size * self.steps_per_generation
+            )
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"generation_batch_size ({self.generation_batch_size} = "
+                f"per_device_train_batch_size "
+                f"{self.per_device_train_batch_size} x steps_per_generation "
+                f"{self.steps_per_generation}) must be a multiple of num_generations "
+                f"({self.num_generations}) so every prompt's group is whole; change "
+                f"per_device_train_batch_size, steps_per_generation or num_generations"
+            )
+        if self.max_steps == 0 or self.max_steps < -1:
+            raise ValueError(
+                f"max_steps must be -1 (use num_train_epochs) or >= 1, got {self.max_steps}"
+            )
+        if self.max_steps == -1 and self.num_train_epochs <= 0:
+            raise ValueError(
+                f"num_train_epochs must be > 0 when max_steps is -1, got {self.num_train_epochs}"
+            )
+        if self.max_prompt_length is not None:
+            _at_least("max_prompt_length", self.max_prompt_length, 1, "or None for no limit")
+        _at_least("max_completion_length", self.max_completion_length, 1)
+
+    def _check_loss(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(_choice_msg("loss_type", self.loss_type, LOSS_TYPES))
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                _choice_msg(
+                    "importance_sampling_level",
+                    self.importance_sampling_level,
+                    IMPORTANCE_SAMPLING_LEVELS,
+                )
+            )
+        self.scale_rewards = {True: "group", False: "none"}.get(
+            self.scale_rewards, self.scale_rewards
+        )
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(_choice_msg("scale_rewards", self.scale_rewards, SCALE_REWARDS))
+        if self.epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0 (0.2 is usual), got {self.epsilon}")
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        if self.epsilon_high <= 0:
+            raise ValueError(f"epsilon_high must be > 0 (DAPO uses 0.28), got {self.epsilon_high}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0 (0 disables the KL term), got {self.beta}")
+        if self.reward_weights is not None:
+            self.reward_weights = [float(w) for w in self.reward_weights]
+
+    def _check_importance_sampling(self) -> None:
+        if self.vllm_importance_sampling_cap is not None:
+            warnings.warn(
+                "vllm_importance_sampling_cap is deprecated (as in TRL); use "
+                "vllm_importance_sampling_clip_max",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+            self.vllm_importance_sampling_cap = None
+        if self.vllm_importance_sampling_mode not in VLLM_IS_MODES:
+            raise ValueError(
+                _choice_msg(
+                    "vllm_importance_sampling_mode",
+                    self.vllm_importance_sampling_mode,
+                    VLLM_IS_MODES,
+                )
+            )
+        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        if hi is not None and hi <= 0:
+            raise ValueError(f"vllm_importance_sampling_clip_max must be > 0, got {hi}")
+        if lo is not None and lo < 0:
+            raise ValueError(f"vllm_importance_sampling_clip_min must be >= 0, got {lo}")
+        if lo is not None and hi is not None and lo >= hi:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min ({lo}) must be < "
+                f"vllm_importance_sampling_clip_max ({hi})"
+            )
+        if (
+            self.vllm_importance_sampling_correction
+            and lo is None
+            and hi is None
+            and self.vllm_importance_sampling_mode.endswith("_truncate")
+        ):
+            raise ValueError(
+                "a *_truncate vllm_importance_sampling_mode needs "
+                "vllm_importance_sampling_clip_max "
+                "or vllm_importance_sampling_clip_min set"
+            )
+
+    def _check_sampling(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 for GRPO (it samples), got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 disables it), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1.0 disables it), got {self.repetition_penalty}"
+            )
+
+    def _check_optimiser(self) -> None:
+        if self.learning_rate < 0:
+            raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ValueError(
+                _choice_msg("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
+            )
+        if not 0.0 <= self.warmup_ratio <= 1.0:
+            raise ValueError(f"warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
+        if self.adam_epsilon <= 0:
+            raise ValueError(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
+        if self.max_grad_norm < 0:
+            raise ValueError(
+                f"max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}"
+            )
+
+    def _check_engine(self) -> None:
+        if self.vllm_mode not in VLLM_MODES:
+            raise ValueError(_choice_msg("vllm_mode", self.vllm_mode, VLLM_MODES))
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                "vllm_gpu_memory_utilization must be in (0, 1], got "
+                f"{self.vllm_gpu_memory_utilization}"
+            )
+        if self.engine_sleep_level not in (1, 2):
+            raise ValueError(
+                f"engine_sleep_level must be 1 (free the KV cache) or 2 (also drop engine weight "
+                f"copies), got {self.engine_sleep_level}"
+            )
+        _at_least("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size, 1)
+        if self.vllm_max_model_length is not None:
+            _at_least("vllm_max_model_length", self.vllm_max_model_length, 1)
+
+    def _check_logging(self) -> None:
+        _at_least("logging_steps", self.logging_steps, 1)
+        _at_least("save_steps", self.save_steps, 1)
+        if self.save_total_limit is not None:
+            _at_least("save_total_limit", self.save_total_limit, 1, "or None to keep all")
+        if self.num_completions_to_print is not None:
+            _at_least("num_completions_to_print", self.num_completions_to_print, 0)
+        report = self.report_to
+        if isinstance(report, str):
+            report = report.split(",")
+        report = [r.strip() for r in report if r.strip()]
+        if report in (["none"], []):
+            report = []
+        elif report == ["all"]:
+            report = list(REPORT_TO)
+        for r in report:
+            if r not in REPORT_TO:
+                raise ValueError(_choice_msg("report_to entry", r, REPORT_TO + ("all", "none")))
+        self.report_to = list(dict.fromkeys(report))
+
+    # ---- conversions ---------------------------------------------------------------------------
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Distinct prompts in one generation batch."""
+        return self.generation_batch_size // self.num_generations
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
+        """Build from a dict (a saved config, a YAML file); unknown keys are errors naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(key, known, n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"unknown GRPOConfig field(s): {', '.join(hints)}")
+        values = dict(values)
+        # A saved config has derived both; keep the one that was derived from the other consistent.
+        if (
+            values.get("generation_batch_size") is not None
+            and values.get("steps_per_generation") is not None
+        ):
+            values["generation_batch_size"] = None
+        return cls(**values)
+
+
+def _at_least(name: str, value: int, minimum: int, hint: str = "") -> None:
+    if value is None or value < minimum:
+        raise ValueError(
+            f"{name} must be >= {minimum}{' (' + hint + ')' if hint else ''}, got {value}"
+        )
+
+
+def _choice_msg(name: str, value: object, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value), choices, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}{hint}"

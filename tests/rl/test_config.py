@@ -1,0 +1,108 @@
+"""GRPOConfig: derived batch sizes, TRL-compatible values, and errors that say what to change."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.rl import GRPOConfig
+
+
+def test_defaults_follow_trl():
+    c = GRPOConfig()
+    assert (c.loss_type, c.beta, c.epsilon, c.epsilon_high, c.num_generations) == (
+        "dapo",
+        0.0,
+        0.2,
+        0.2,
+        8,
+    )
+    assert c.steps_per_generation == c.gradient_accumulation_steps == 1
+    assert c.generation_batch_size == 8 and c.prompts_per_generation == 1
+    assert (
+        c.vllm_importance_sampling_correction and c.vllm_importance_sampling_mode == "sequence_mask"
+    )
+    assert c.vllm_importance_sampling_clip_max == 3.0 and c.scale_rewards == "group"
+
+
+def test_generation_batch_is_derived_either_way():
+    c = GRPOConfig(per_device_train_batch_size=8, gradient_accumulation_steps=4)
+    assert (c.steps_per_generation, c.generation_batch_size) == (4, 32)
+    c = GRPOConfig(per_device_train_batch_size=8, steps_per_generation=2)
+    assert c.generation_batch_size == 16
+    c = GRPOConfig(per_device_train_batch_size=4, generation_batch_size=32)
+    assert c.steps_per_generation == 8 and c.prompts_per_generation == 4
+    with pytest.raises(
+        ValueError, match="only one of generation_batch_size and steps_per_generation"
+    ):
+        GRPOConfig(generation_batch_size=16, steps_per_generation=2)
+    with pytest.raises(
+        ValueError, match=r"generation_batch_size \(12\) must be a multiple of per_device"
+    ):
+        GRPOConfig(per_device_train_batch_size=8, generation_batch_size=12)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_generations": 1}, "num_generations must be >= 2"),
+        (
+            {"per_device_train_batch_size": 6},
+            (
+                r"generation_batch_size \(6 = .*\) must be a multiple of "
+                r"num_generations \(8\).*change per_device_train_batch_size"
+            ),
+        ),
+        ({"epsilon": 0.0}, "epsilon must be > 0"),
+        ({"epsilon_high": -0.1}, "epsilon_high must be > 0"),
+        ({"loss_type": "dapoo"}, "loss_type must be one of .*did you mean 'dapo'"),
+        ({"scale_rewards": "grup"}, "scale_rewards must be one of"),
+        ({"importance_sampling_level": "seq"}, "importance_sampling_level"),
+        (
+            {"vllm_importance_sampling_mode": "token_clip"},
+            "vllm_importance_sampling_mode must be one of",
+        ),
+        (
+            {"vllm_importance_sampling_clip_min": 3.0},
+            r"clip_min \(3.0\) must be < .*clip_max \(3.0\)",
+        ),
+        (
+            {
+                "vllm_importance_sampling_mode": "token_truncate",
+                "vllm_importance_sampling_clip_max": None,
+            },
+            "needs vllm_importance_sampling_clip_max or",
+        ),
+        ({"temperature": 0.0}, "temperature must be > 0"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"lr_scheduler_type": "cosine_with_restarts"}, "lr_scheduler_type must be one of"),
+        ({"max_steps": 0}, "max_steps must be -1"),
+        ({"engine_sleep_level": 3}, "engine_sleep_level must be 1"),
+        ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
+        ({"vllm_mode": "remote"}, "vllm_mode must be one of"),
+        ({"report_to": ["wandb"]}, "report_to entry must be one of"),
+        ({"save_total_limit": 0}, "save_total_limit must be >= 1"),
+        ({"beta": -1.0}, "beta must be >= 0"),
+    ],
+)
+def test_errors_say_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**kwargs)
+
+
+def test_trl_value_aliases():
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap is deprecated"):
+        c = GRPOConfig(vllm_importance_sampling_cap=2.0)
+    assert c.vllm_importance_sampling_clip_max == 2.0
+    assert GRPOConfig(epsilon=0.1).epsilon_high == 0.1
+    assert GRPOConfig(report_to="none").report_to == []
+    assert GRPOConfig(report_to="all").report_to == ["jsonl", "tensorboard"]
+    assert GRPOConfig(report_to="jsonl, jsonl").report_to == ["jsonl"]
+
+
+def test_dict_round_trip():
+    c = GRPOConfig(per_device_train_batch_size=16, steps_per_generation=2, epsilon_high=0.28)
+    assert GRPOConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match=r"'num_generation' \(did you mean 'num_generations'\?\)"):
+        GRPOConfig.from_dict({"num_generation": 4})
