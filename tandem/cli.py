@@ -62,6 +62,7 @@ def _add_optional_commands(sub) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     registrations = [
         ("tandem.bench.throughput", "add_parser", bench_sub),
+        ("tandem.bench.colocation", "add_parser", bench_sub),
         ("tandem.bench.cli", "add_bench_subcommands", bench_sub),
         ("tandem.serve.cli", "add_subcommands", sub),
         ("tandem.rl.cli", "add_subcommands", sub),

@@ -29,6 +29,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     enable_sleep_mode: bool = False
+    sleep_mode_backend: str = "auto"  # auto | cumem (stable addresses) | recapture (realloc + graphs)
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space_gib: float = 4.0  # KV cache size when running on a CPU (vLLM's default)
     max_seq_len_to_capture: int = 8192
@@ -47,6 +48,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+            )
+        if self.sleep_mode_backend not in ("auto", "cumem", "recapture"):
+            raise ValueError(
+                f"sleep_mode_backend must be 'auto', 'cumem' or 'recapture', got {self.sleep_mode_backend!r}"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -49,6 +49,7 @@ class LLM:
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one or one per prompt"
                 )
         engine = self.llm_engine
+        engine._check_awake()
         # Check everything before queueing anything, so bad input leaves the engine untouched.
         tokenized = []
         for p, sp in zip(prompts, params):
@@ -84,6 +85,29 @@ class LLM:
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- colocation: the engine shares its device with a trainer ----------------------------------
+    def sleep(self, level: int = 1) -> dict:
+        """Level 1: offload weights to pinned host memory and free the KV cache; level 2: free both."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Restore `tags` ("weights", "kv_cache"; default both)."""
+        return self.llm_engine.wake_up(tags)
+
+    def load_weights(self, weights) -> int:
+        """Load an iterable of (HF name, tensor) in place; merged q/k/v and gate/up handled."""
+        return self.llm_engine.load_weights(weights)
+
+    def update_weights_from_model(self, model: torch.nn.Module) -> int:
+        """Copy a trainer's HF model into the engine, device to device."""
+        return self.llm_engine.update_weights_from_model(model)
+
+    def memory_report(self) -> dict:
+        return self.llm_engine.memory_report()
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
 
     def _as_list(self, prompts) -> list:
         if isinstance(prompts, (str, dict)):

@@ -9,10 +9,13 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.block_manager import BlockManager
+from tandem.engine.colocation import ColocationMixin
+from tandem.engine.cumem import vmm_available
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.sleep_mode import WeightStore
 from tandem.engine.sequence import Sequence
 from tandem.engine.stop_checker import check_stop, find_stop_string
 from tandem.layers.sampler import SamplerOutput
@@ -47,7 +50,7 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
-class LLMEngine:
+class LLMEngine(ColocationMixin):
     """The engine loop of DESIGN.md: add_request -> step (schedule, run, postprocess) -> outputs."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
@@ -62,10 +65,12 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(source)
         self.model = build_model(self.hf_config, self.max_model_len, self.dtype, self.device)
         self._load_initial_weights(source)
+        self.use_cumem = self._use_cumem()
+        self.weight_store = WeightStore(self.model, self.device, self.use_cumem)
         self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
         self.attention_backend = self.model_runner.set_attention_backend(config.attention_backend)
         self.num_blocks = determine_num_blocks(self, config)
-        self.model_runner.allocate_kv_cache(self.num_blocks)
+        self.model_runner.allocate_kv_cache(self.num_blocks, self.use_cumem)
         self.cudagraph_capture_s = None
         if self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton":
             self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
@@ -81,6 +86,16 @@ class LLMEngine:
         self.num_generated_tokens = 0
 
     # -- setup ---------------------------------------------------------------------------------------
+    def _use_cumem(self) -> bool:
+        cfg = self.config
+        if not cfg.enable_sleep_mode or self.device.type != "cuda" or cfg.sleep_mode_backend == "recapture":
+            return False
+        if not vmm_available():
+            if cfg.sleep_mode_backend == "cumem":
+                raise ValueError("sleep_mode_backend='cumem' needs cuda.bindings (pip install cuda-python)")
+            return False
+        return True
+
     def _resolve_max_model_len(self) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.config.max_model_len is None:
@@ -169,6 +184,7 @@ class LLMEngine:
         output_kind: str = "cumulative",
     ) -> str:
         """Queue a request; raises ValueError (engine state untouched) on bad input."""
+        self._check_awake()
         if output_kind not in ("cumulative", "delta", "final_only"):
             raise ValueError(f"output_kind must be cumulative, delta or final_only, got {output_kind!r}")
         text, ids = self.tokenize_prompt(prompt)

@@ -23,6 +23,8 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None
         self.graph_runner = None  # CUDAGraphRunner once captured
+        self.graph_bytes = 0
+        self.kv_store = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
@@ -33,10 +35,24 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, use_cumem: bool = False) -> None:
+        from tandem.engine.sleep_mode import KVCacheStore
+
         a = self.attn_layers[0]
         shape = (len(self.attn_layers), 2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_store = KVCacheStore(shape, self.dtype, self.device, use_cumem)
+        self.kv_cache = self.kv_store.tensor
+        self.bind_kv_cache()
+
+    def release_kv_cache(self) -> None:
+        self.kv_store.release()
+        if not self.kv_store.stable_address:
+            self.kv_cache = None
+            self.bind_kv_cache()
+
+    def restore_kv_cache(self) -> None:
+        self.kv_store.restore()
+        self.kv_cache = self.kv_store.tensor
         self.bind_kv_cache()
 
     def bind_kv_cache(self) -> None:
@@ -45,10 +61,6 @@ class ModelRunner:
                 layer.k_cache = layer.v_cache = None
             else:
                 layer.k_cache, layer.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-
-    def free_kv_cache(self) -> None:
-        self.kv_cache = None
-        self.bind_kv_cache()
 
     def set_attention_backend(self, name: str) -> str:
         """'auto' picks Triton on a GPU and the torch reference elsewhere."""
@@ -172,9 +184,12 @@ class ModelRunner:
         from tandem.engine.cuda_graph import CUDAGraphRunner
 
         t0 = time.perf_counter()
+        self.graph_runner = None
+        before = torch.cuda.memory_allocated(self.device)
         max_blocks = -(-max_model_len // self.block_size)
         self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks, self.device)
         self.graph_runner.capture()
+        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         return time.perf_counter() - t0
 
     # -- running -----------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""`tandem bench colocation`: what sleeping costs and returns, for an engine beside a trainer's model.
+
+Figures (issue 4's targets): share of the engine's device memory that `sleep(level=2)` returns,
+`wake_up()` + `update_weights_from_model()` seconds, `sleep(level=1)` + `wake_up()` seconds, and
+whether greedy output after each wake equals the output before the sleep. Medians of repeats,
+for each sleep backend (cumem: stable addresses; recapture: reallocate and capture graphs again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class ColocationConfig:
+    model: str = "qwen2.5-1.5b"
+    load_format: str = "dummy"
+    gpu_memory_utilization: float = 0.5
+    backends: str = "cumem,recapture"
+    repeats: int = 5
+    num_prompts: int = 8
+    max_tokens: int = 32
+    output: str | None = None
+
+
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _trainer_model(cfg: ColocationConfig):
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.loader import init_dummy_weights, resolve_model
+
+    source = resolve_model(cfg.model, cfg.load_format)
+    if source.path and cfg.load_format != "dummy":
+        return AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(source.hf_config, dtype=torch.bfloat16)
+    init_dummy_weights(model, seed=0)
+    with torch.no_grad():  # dummy weights are near-uniform; spread them so greedy tokens differ
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+    return model.eval()
+
+
+def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(trainer_model, enable_sleep_mode=True, gpu_memory_utilization=cfg.gpu_memory_utilization,
+              sleep_mode_backend=backend, max_model_len=1024)
+    prompts = [[100 + 7 * i + j for j in range(64)] for i in range(cfg.num_prompts)]
+    greedy = SamplingParams(temperature=0, max_tokens=cfg.max_tokens, ignore_eos=True)
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    reference = tokens()
+    report = llm.memory_report()
+    engine_bytes = report["weights_bytes"] + report["kv_cache_bytes"]
+    freed_share, wake_update, sleep1_wake, identical = [], [], [], True
+    for _ in range(cfg.repeats):
+        torch.cuda.synchronize()
+        free0 = torch.cuda.mem_get_info()[0]
+        llm.sleep(2)
+        torch.cuda.synchronize()
+        freed_share.append((torch.cuda.mem_get_info()[0] - free0) / engine_bytes)
+        wake_update.append(_timed(lambda: (llm.wake_up(), llm.update_weights_from_model(trainer_model))))
+        identical &= tokens() == reference
+        sleep1_wake.append(_timed(lambda: (llm.sleep(1), llm.wake_up())))
+        identical &= tokens() == reference
+    result = {
+        "backend": backend, "engine_bytes": engine_bytes, "memory_report": report,
+        "sleep2_freed_share_median": statistics.median(freed_share),
+        "wake_plus_update_s_median": statistics.median(wake_update),
+        "sleep1_plus_wake_s_median": statistics.median(sleep1_wake),
+        "greedy_identical_after_wake": identical,
+        "cudagraph_capture_s": llm.llm_engine.cudagraph_capture_s,
+        "samples": {"freed_share": freed_share, "wake_plus_update_s": wake_update, "sleep1_plus_wake_s": sleep1_wake},
+    }
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def run(cfg: ColocationConfig) -> dict:
+    from tandem.bench.report import json_line, make_report
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench colocation measures device memory: it needs a CUDA GPU")
+    model = _trainer_model(cfg)
+    results = {b: measure(model, b, cfg) for b in cfg.backends.split(",") if b}
+    print(f"{'backend':<10} {'sleep(2) frees':>15} {'wake+update s':>14} {'sleep(1)+wake s':>16} {'same tokens':>12}")
+    for r in results.values():
+        print(f"{r['backend']:<10} {100 * r['sleep2_freed_share_median']:>14.1f}% "
+              f"{r['wake_plus_update_s_median']:>14.3f} {r['sleep1_plus_wake_s_median']:>16.3f} "
+              f"{str(r['greedy_identical_after_wake']):>12}")
+    report = make_report("colocation", asdict(cfg), results)
+    if cfg.output:
+        with open(cfg.output, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    print(json_line(report))
+    return report
+
+
+def add_parser(subparsers) -> None:
+    d = ColocationConfig()
+    p = subparsers.add_parser("colocation", help="sleep / wake / weight-update costs on a GPU")
+    for name in ("model", "load_format", "backends", "output"):
+        p.add_argument("--" + name.replace("_", "-"), default=getattr(d, name))
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.set_defaults(func=lambda a: run(ColocationConfig(**{k: v for k, v in vars(a).items()
+                                                          if k in ColocationConfig.__dataclass_fields__})) and 0)
