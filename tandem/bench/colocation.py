@@ -71,13 +71,23 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
     report = llm.memory_report()
     engine_bytes = report["weights_bytes"] + report["kv_cache_bytes"]
     freed_share, wake_update, sleep1_wake, identical = [], [], [], True
+    parts: dict[str, list[float]] = {"wake_weights_s": [], "wake_kv_cache_s": [], "update_s": []}
     for _ in range(cfg.repeats):
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
         llm.sleep(2)
         torch.cuda.synchronize()
         freed_share.append((torch.cuda.mem_get_info()[0] - free0) / engine_bytes)
-        wake_update.append(_timed(lambda: (llm.wake_up(), llm.update_weights_from_model(trainer_model))))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        woke = llm.wake_up()
+        t1 = time.perf_counter()
+        llm.update_weights_from_model(trainer_model)
+        torch.cuda.synchronize()
+        wake_update.append(time.perf_counter() - t0)
+        parts["wake_weights_s"].append(woke.get("weights_s", 0.0))
+        parts["wake_kv_cache_s"].append(woke.get("kv_cache_s", 0.0))
+        parts["update_s"].append(time.perf_counter() - t1)
         identical &= tokens() == reference
         sleep1_wake.append(_timed(lambda: (llm.sleep(1), llm.wake_up())))
         identical &= tokens() == reference
@@ -87,6 +97,7 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
         "wake_plus_update_s_median": statistics.median(wake_update),
         "sleep1_plus_wake_s_median": statistics.median(sleep1_wake),
         "greedy_identical_after_wake": identical,
+        **{k + "_median": statistics.median(v) for k, v in parts.items()},
         "cudagraph_capture_s": llm.llm_engine.cudagraph_capture_s,
         "samples": {"freed_share": freed_share, "wake_plus_update_s": wake_update, "sleep1_plus_wake_s": sleep1_wake},
     }
@@ -108,6 +119,8 @@ def run(cfg: ColocationConfig) -> dict:
         print(f"{r['backend']:<10} {100 * r['sleep2_freed_share_median']:>14.1f}% "
               f"{r['wake_plus_update_s_median']:>14.3f} {r['sleep1_plus_wake_s_median']:>16.3f} "
               f"{str(r['greedy_identical_after_wake']):>12}")
+        print(f"{'':<10} wake: weights {r['wake_weights_s_median']:.3f}s, kv cache "
+              f"{r['wake_kv_cache_s_median']:.3f}s; update_weights_from_model {r['update_s_median']:.3f}s")
     report = make_report("colocation", asdict(cfg), results)
     if cfg.output:
         with open(cfg.output, "w") as f:

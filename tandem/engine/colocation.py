@@ -62,19 +62,23 @@ class ColocationMixin:
         if bad:
             raise ValueError(f"tags must be a subset of {list(_TAGS)}, got {bad}")
         t0 = time.perf_counter()
+        timings = {}
         if "weights" in tags and not self.weight_store.resident:
             if not self.weight_store.restore():
                 self.weights_valid = False
+            timings["weights_s"] = time.perf_counter() - t0
         if "kv_cache" in tags and not self.model_runner.kv_store.resident:
+            t1 = time.perf_counter()
             self.model_runner.restore_kv_cache()
             self.block_manager.reset_prefix_cache()
+            timings["kv_cache_s"] = time.perf_counter() - t1
         recaptured = False
         if self.weight_store.resident and self.model_runner.kv_store.resident:
             self.sleep_level = 0
             if self._graphs_need_recapture():
                 self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
                 recaptured = True
-        return {"seconds": time.perf_counter() - t0, "recaptured_graphs": recaptured}
+        return {"seconds": time.perf_counter() - t0, "recaptured_graphs": recaptured, **timings}
 
     def _graphs_need_recapture(self) -> bool:
         stable = self.weight_store.buffer is not None and self.model_runner.kv_store.stable_address

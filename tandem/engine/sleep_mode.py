@@ -40,6 +40,7 @@ class WeightStore:
         self.nbytes = sum(_nbytes(p) for p in self.params)
         self.buffer: CuMemBuffer | None = None
         self.host: torch.Tensor | list[torch.Tensor] | None = None
+        self._pinned: torch.Tensor | None = None
         self.resident = True
         if use_cumem:
             self._move_into_cumem()
@@ -65,8 +66,10 @@ class WeightStore:
         pin = self.device.type == "cuda"
         if self.buffer is not None:
             if keep_copy:
-                self.host = torch.empty(self.buffer.nbytes, dtype=torch.uint8, pin_memory=pin)
-                self.host.copy_(self.buffer.tensor)
+                if self._pinned is None:  # allocated once: pinning gigabytes costs more than copying
+                    self._pinned = torch.empty(self.buffer.nbytes, dtype=torch.uint8, pin_memory=pin)
+                self._pinned.copy_(self.buffer.tensor)
+                self.host = self._pinned
             self.buffer.unmap()
         else:
             if keep_copy:

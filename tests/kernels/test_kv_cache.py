@@ -9,7 +9,7 @@ from tandem.kernels.kv_cache import store_kvcache
 
 def check_store(T, num_kv_heads, head_dim, block_size, src_dtype, cache_dtype, device):
     gen = torch.Generator().manual_seed(0)
-    num_blocks = 6
+    num_blocks = max(6, -(-T // block_size) + 1)
     # k and v as views into one fused qkv output: rows are not contiguous.
     qkv = torch.randn(T, 3 * num_kv_heads * head_dim, generator=gen).to(device, src_dtype)
     kv_width = num_kv_heads * head_dim

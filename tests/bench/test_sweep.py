@@ -1,0 +1,139 @@
+"""`bench sweep`: finds the knee of a server whose latency model is known."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.bench.cli import main
+from tandem.bench.sweep import SweepConfig, meets_slo, pareto_front, run_sweep, sweet_spot
+
+from .conftest import quick_config
+
+STUB = Path(__file__).with_name("stub_server.py")
+
+
+def test_knee_of_a_capacity_limited_server(stub, tmp_path):
+    # per-token delay 10 ms up to 4 requests in flight, 10 ms * n/4 beyond: output tok/s
+    # plateaus at 400 from concurrency 4 on, where TPOT starts to grow; SLO TPOT 15 ms
+    with stub(ttft_ms=10, tpot_ms=10, capacity=4) as server:
+        base = quick_config(server.base_url, num_prompts=8, output_len=12, slo="tpot=15")
+        cfg = SweepConfig(
+            serve=base,
+            mode="concurrency",
+            concurrencies="1,2,4,8,16",
+            prompts_per_concurrency=2,
+            output_dir=str(tmp_path),
+        )
+        report = run_sweep(cfg, show_progress=False)
+    res = report["results"]
+    pts = res["points"]
+    assert [p["max_concurrency"] for p in pts] == [1, 2, 4, 8, 16]
+    assert [p["meets_slo"] for p in pts] == [True, True, True, False, False]
+    assert res["sweet_spot"]["label"] == "concurrency 4"
+    tput = [p["output_throughput"] for p in pts]
+    assert tput[2] > 1.6 * tput[1] and tput[4] < 1.4 * tput[2]  # rises, then plateaus
+    assert pts[4]["tpot_ms"]["median"] > 3 * pts[2]["tpot_ms"]["median"]
+    assert {2, 4} <= set(res["pareto"])  # the sweet spot and the most tok/s per GPU
+    for name in ("sweep.json", "sweep.csv", "report.md", "latency_vs_load.png", "pareto.png"):
+        assert (tmp_path / name).stat().st_size > 100, name
+    assert "sweet spot: concurrency 4" in (tmp_path / "report.md").read_text()
+
+
+def test_rate_mode_follows_guidellm(stub):
+    with stub(tpot_ms=2, capacity=4) as server:
+        base = quick_config(server.base_url, num_prompts=12, output_len=4, slo="ttft=10000")
+        report = run_sweep(
+            SweepConfig(serve=base, sweep_size=4, sync_prompts=4), show_progress=False
+        )
+    pts = report["results"]["points"]
+    assert [p["strategy"] for p in pts] == ["synchronous", "throughput", "rate", "rate"]
+    assert pts[0]["max_concurrency"] == 1 and pts[0]["completed"] == 4
+    lo, hi = pts[0]["request_throughput"], pts[1]["request_throughput"]
+    rates = [p["target_rate"] for p in pts[2:]]
+    assert rates == pytest.approx([lo + (hi - lo) / 2, hi])  # linspace(lo, hi, size - 1)[1:]
+    assert report["results"]["sweet_spot"] is not None
+
+
+def test_launch_grid_starts_a_server_per_point(tmp_path, capsys):
+    launch = f"{sys.executable} {STUB} --port {{port}} --tpot-ms 5 --capacity {{max_num_seqs}}"
+    code = main(
+        [
+            "sweep",
+            "--launch",
+            launch,
+            "--max-num-seqs",
+            "1,3",
+            "--max-num-batched-tokens",
+            "512",
+            "--mode",
+            "concurrency",
+            "--concurrencies",
+            "1,3",
+            "--num-prompts",
+            "6",
+            "--output-len",
+            "6",
+            "--input-len",
+            "4",
+            "--slo",
+            "tpot=8",
+            "--output-dir",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "out.json"),
+        ]
+    )
+    assert code == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    res = last["results"]
+    grids = [p["grid"]["max_num_seqs"] for p in res["points"]]
+    assert grids == [1, 1, 3, 3] and res["grid_failures"] == []
+    # capacity 1 cannot serve 3 at 5 ms/token; capacity 3 can: the sweet spot is there
+    assert res["sweet_spot"]["grid"] == {"max_num_seqs": 3, "max_num_batched_tokens": 512}
+    assert res["sweet_spot"]["label"] == "concurrency 3"
+    assert len(list(tmp_path.glob("server_*.log"))) == 2
+
+
+def test_launch_failure_is_reported(tmp_path):
+    base = quick_config("http://127.0.0.1:1", num_prompts=2)
+    cfg = SweepConfig(
+        serve=base,
+        launch=f"{sys.executable} -c 'import sys; sys.exit(3)'",
+        max_num_seqs="1",
+        health_timeout_s=30,
+        output_dir=str(tmp_path),
+    )
+    res = run_sweep(cfg, show_progress=False)["results"]
+    assert res["points"] == [] and "exited with code 3" in res["grid_failures"][0]["error"]
+
+
+def _pt(user, gpu, tput, ttft99, tpot99, failed=0):
+    return {
+        "output_tok_s_per_user": user,
+        "output_tok_s_per_gpu": gpu,
+        "output_throughput": tput,
+        "ttft_ms": {"p99": ttft99},
+        "tpot_ms": {"p99": tpot99},
+        "completed": 10,
+        "failed": failed,
+        "label": f"{tput}",
+        "grid": None,
+    }
+
+
+def test_sweet_spot_and_pareto_by_hand():
+    pts = [
+        _pt(100, 50, 50, 100, 10),
+        _pt(80, 120, 120, 400, 12),
+        _pt(40, 150, 150, 2000, 25),
+        _pt(30, 140, 140, 3000, 33),
+        _pt(90, 130, 130, 300, 11, failed=5),
+    ]
+    slo = {"ttft": 1000.0, "tpot": 20.0}
+    for p in pts:
+        p["meets_slo"] = meets_slo(p, slo)
+    assert [p["meets_slo"] for p in pts] == [True, True, False, False, False]  # last: failures
+    assert sweet_spot(pts)["index"] == 1
+    assert pareto_front(pts) == [0, 4, 2]  # 1 is dominated by 4, 3 by 2
