@@ -63,6 +63,7 @@ def _add_optional_commands(sub) -> None:
     registrations = [
         ("tandem.bench.throughput", "add_parser", bench_sub),
         ("tandem.bench.colocation", "add_parser", bench_sub),
+        ("tandem.bench.rl", "add_parser", bench_sub),
         ("tandem.bench.cli", "add_bench_subcommands", bench_sub),
         ("tandem.serve.cli", "add_subcommands", sub),
         ("tandem.rl.cli", "add_subcommands", sub),

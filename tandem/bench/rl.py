@@ -1,0 +1,189 @@
+"""`tandem bench rl`: seconds per GRPO step for tandem's colocated trainer and, with `--compare trl`,
+TRL's GRPOTrainer (use_vllm=False: transformers `generate`) on the same model, prompts and batch.
+
+Workload grpo-1.5b (BENCHMARKS.md): Qwen2.5-1.5B architecture, random weights, 32 prompts x 8
+generations per step, 128 prompt tokens, 256 completion tokens, full fine-tune in bf16, beta 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from tandem.bench.synthetic_tokenizer import ids_to_text, synthetic_tokenizer
+
+
+@dataclass
+class RLBenchConfig:
+    model: str = "qwen2.5-1.5b"
+    num_prompts: int = 32
+    num_generations: int = 8
+    prompt_len: int = 128
+    completion_len: int = 256
+    micro_batch: int = 32
+    steps: int = 4  # timed steps after one warm-up step
+    compare: str = ""  # "trl"
+    gpu_memory_utilization: float = 0.35
+    sleep_level: int = 1
+    gradient_checkpointing: bool = True
+    seed: int = 0
+    output: str | None = None
+
+
+def even_token_reward(completions, **kwargs):
+    """A cheap, deterministic reward: share of completion tokens with an even id."""
+    out = []
+    for c in completions:
+        words = (c if isinstance(c, str) else c[-1]["content"]).split()
+        out.append(sum(int(w[1:]) % 2 == 0 for w in words if w[1:].isdigit()) / max(1, len(words)))
+    return out
+
+
+def _model_and_data(cfg: RLBenchConfig):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.loader import init_dummy_weights
+    from tandem.models.presets import preset_config
+
+    hf_config = preset_config(cfg.model)
+    if hf_config is None:
+        raise ValueError(f"model must be an architecture preset name, got {cfg.model!r}")
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    init_dummy_weights(model, cfg.seed)
+    tok = synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id)
+    rng = random.Random(cfg.seed)
+    n = cfg.num_prompts * (cfg.steps + 2)
+    prompts = [ids_to_text([rng.randint(100, 30000) for _ in range(cfg.prompt_len)]) for _ in range(n)]
+    return model, tok, Dataset.from_dict({"prompt": prompts})
+
+
+def _batching(cfg: RLBenchConfig) -> dict:
+    per_step = cfg.num_prompts * cfg.num_generations
+    return dict(num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch,
+                gradient_accumulation_steps=per_step // cfg.micro_batch, max_completion_length=cfg.completion_len,
+                learning_rate=1e-6, beta=0.0, temperature=1.0, bf16=torch.cuda.is_available(), seed=cfg.seed,
+                gradient_checkpointing=cfg.gradient_checkpointing, max_steps=cfg.steps + 1, logging_steps=1)
+
+
+def run_tandem(cfg: RLBenchConfig) -> dict:
+    from tandem.bench.gpu_monitor import GpuMonitor
+    from tandem.rl import GRPOConfig, GRPOTrainer
+
+    model, tok, data = _model_and_data(cfg)
+    args = GRPOConfig(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
+                      max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
+                      **_batching(cfg))
+    trainer = GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
+                          engine_kwargs={"max_num_seqs": 256})
+    trainer.step()  # warm-up
+    steps = []
+    with GpuMonitor() as mon:
+        for _ in range(cfg.steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m = trainer.step()
+            torch.cuda.synchronize()
+            m["wall"] = time.perf_counter() - t0
+            steps.append(m)
+    out = _summary(steps, cfg)
+    out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps)
+                          for k in ("weight_sync", "generate", "reward", "train")}
+    out["gpu"] = mon.summary()
+    out["engine_memory"] = trainer.llm.memory_report()
+    del trainer, model
+    return out
+
+
+def run_trl(cfg: RLBenchConfig) -> dict:
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    from tandem.bench.gpu_monitor import GpuMonitor
+
+    model, tok, data = _model_and_data(cfg)
+    kwargs = _batching(cfg)
+    args = TRLConfig(output_dir="/tmp/trl-bench-rl", report_to="none", save_strategy="no", use_vllm=False,
+                     disable_dropout=True, **kwargs)
+    walls: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - self.t0)
+
+    mon = GpuMonitor()
+    trainer = TRLTrainer(model=model, reward_funcs=even_token_reward, args=args, train_dataset=data,
+                         processing_class=tok, callbacks=[StepTimer()])
+    mon.start()
+    trainer.train()
+    mon.stop()
+    steady = walls[1:]
+    out = _summary([{"wall": w} for w in steady], cfg)
+    out["gpu"] = mon.summary()
+    del trainer, model
+    return out
+
+
+def _summary(steps: list[dict], cfg: RLBenchConfig) -> dict:
+    wall = statistics.median(s["wall"] for s in steps)
+    tokens = cfg.num_prompts * cfg.num_generations * cfg.completion_len
+    return {"step_s_median": wall, "step_s": [s["wall"] for s in steps],
+            "completion_tokens_per_s": tokens / wall}
+
+
+def run(cfg: RLBenchConfig) -> dict:
+    from tandem.bench.report import json_line, make_report
+
+    if not torch.cuda.is_available():
+        raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU")
+    results = {}
+    for name in [c for c in cfg.compare.split(",") if c] + ["tandem"]:
+        if name not in ("trl", "tandem"):
+            raise ValueError(f"compare must list 'trl', got {name!r}")
+        results[name] = run_trl(cfg) if name == "trl" else run_tandem(cfg)
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"{'trainer':<8} {'s/step':>8} {'completion tok/s':>17} {'GPU util':>9}")
+    for name, r in results.items():
+        busy = r["gpu"].get("util_mean") if r["gpu"].get("available") else None
+        busy_s = f"{busy:.0f}%" if busy is not None else "-"
+        print(f"{name:<8} {r['step_s_median']:>8.2f} {r['completion_tokens_per_s']:>17,.0f} {busy_s:>9}")
+    if "trl" in results:
+        results["speedup_vs_trl"] = results["trl"]["step_s_median"] / results["tandem"]["step_s_median"]
+        print(f"tandem step is {results['speedup_vs_trl']:.1f}x faster than TRL (use_vllm=False)")
+    if "breakdown_s" in results.get("tandem", {}):
+        print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results["tandem"]["breakdown_s"].items()))
+    report = make_report("rl", asdict(cfg), results)
+    if cfg.output:
+        with open(cfg.output, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    print(json_line(report))
+    return report
+
+
+def add_parser(subparsers) -> None:
+    d = RLBenchConfig()
+    p = subparsers.add_parser("rl", help="GRPO step time (grpo-1.5b), tandem vs TRL")
+    for f in ("model", "compare", "output"):
+        p.add_argument("--" + f, default=getattr(d, f))
+    for f in ("num_prompts", "num_generations", "prompt_len", "completion_len", "micro_batch", "steps",
+              "sleep_level", "seed"):
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing)
+    p.set_defaults(func=lambda a: run(RLBenchConfig(**{k: v for k, v in vars(a).items()
+                                                      if k in RLBenchConfig.__dataclass_fields__})) and 0)

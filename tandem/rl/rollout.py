@@ -1,0 +1,76 @@
+"""One rollout: the engine's G completions per prompt with their sampling logprobs, as tensors.
+
+Shapes: N = prompts x G completions, P = longest prompt (left-padded), T = longest completion
+(right-padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.rl.data import PromptBatch
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[list[int]]  # [N] each prompt repeated G times
+    completion_ids: list[list[int]]  # [N]
+    engine_logps: list[list[float]]  # [N] the engine's logprob of each sampled token
+    truncated: list[bool]  # [N] stopped by max_tokens rather than EOS / stop
+    texts: list[str]  # [N] decoded completions
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(map(len, self.completion_ids))
+
+
+def generate_rollout(llm, batch: PromptBatch, num_generations: int, params: SamplingParams,
+                     seed: int | None = None) -> Rollout:
+    """G samples per prompt from the engine; they share the prompt's KV blocks (prefix caching).
+
+    With `seed`, prompt i samples with seed + i * num_generations (its G samples take the next
+    ones), so a resumed run draws exactly what an uninterrupted one would.
+    """
+    per_prompt = [
+        params.clone(n=num_generations, logprobs=0,
+                     seed=None if seed is None else seed + i * num_generations)
+        for i in range(len(batch.prompt_ids))
+    ]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in batch.prompt_ids], per_prompt, use_tqdm=False)
+    r = Rollout([], [], [], [], [])
+    for ids, out in zip(batch.prompt_ids, outs):
+        for c in out.outputs:
+            r.prompt_ids.append(ids)
+            r.completion_ids.append(list(c.token_ids))
+            r.engine_logps.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+            r.truncated.append(c.finish_reason == "length")
+            r.texts.append(c.text)
+    return r
+
+
+def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bool = False) -> dict:
+    """Tensors for the trainer: input_ids / attention_mask [N, P+T], completion_mask and
+    engine_logp [N, T]. Truncated completions get an all-zero mask when `mask_truncated`."""
+    N = len(rollout.prompt_ids)
+    P = max(map(len, rollout.prompt_ids))
+    T = max(1, max(map(len, rollout.completion_ids)))
+    input_ids = torch.full((N, P + T), pad_id, dtype=torch.long)
+    attention = torch.zeros((N, P + T), dtype=torch.long)
+    completion_mask = torch.zeros((N, T), dtype=torch.float32)
+    engine_logp = torch.zeros((N, T), dtype=torch.float32)
+    for i, (p, c, lp) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.engine_logps)):
+        input_ids[i, P - len(p) : P] = torch.tensor(p)
+        attention[i, P - len(p) : P + len(c)] = 1
+        if c:
+            input_ids[i, P : P + len(c)] = torch.tensor(c)
+            engine_logp[i, : len(c)] = torch.tensor(lp)
+            if not (mask_truncated and rollout.truncated[i]):
+                completion_mask[i, : len(c)] = 1.0
+    return {
+        "input_ids": input_ids.to(device), "attention_mask": attention.to(device),
+        "completion_mask": completion_mask.to(device), "engine_logp": engine_logp.to(device),
+        "logits_to_keep": T,
+    }

@@ -1,0 +1,279 @@
+"""GRPOTrainer: the colocated loop of DESIGN.md on one device.
+
+wake -> weights from the trainer -> G completions per prompt (with logprobs) -> sleep -> rewards ->
+group-relative advantages -> loss (clip, IS correction, optional KL) -> optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+
+from tandem.rl import checkpoint as ckpt
+from tandem.rl.config import GRPOConfig
+from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
+from tandem.rl.logging import MetricsLogger
+from tandem.rl.loss import completion_logps, group_advantages, grpo_loss, loss_kwargs_from_config, reward_metrics
+from tandem.rl.rewards import RewardComputer, wrap_completions
+from tandem.rl.rollout import Rollout, generate_rollout, pack
+from tandem.rl.weight_sync import WeightSync
+from tandem.sampling_params import SamplingParams
+
+
+class GRPOTrainer:
+    """TRL's GRPOTrainer interface, with tandem's engine in the same process and on the same GPU."""
+
+    def __init__(
+        self,
+        model,
+        reward_funcs: Callable | Sequence[Callable],
+        args: GRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        engine_kwargs: dict | None = None,
+    ):
+        self.args = args = args or GRPOConfig()
+        if train_dataset is None:
+            raise ValueError("train_dataset is required (tandem.rl.data.arithmetic_dataset gives a built-in one)")
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model, self.tokenizer = self._load_model(model, processing_class)
+        self.train_dataset = load_prompt_dataset(train_dataset)
+        self.eval_dataset = load_prompt_dataset(eval_dataset) if eval_dataset is not None else None
+        self.rewards = RewardComputer(reward_funcs, args.reward_weights)
+        self.use_bf16 = args.bf16 if args.bf16 is not None else (
+            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        self._check_lengths()
+        self.ref_model = None
+        if args.beta != 0.0:
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if args.gradient_checkpointing and self.device.type == "cuda":
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.config.use_cache = False
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon, weight_decay=args.weight_decay,
+        )
+        self.sampler = RepeatSampler(len(self.train_dataset), batch_size=args.prompts_per_generation,
+                                     shuffle=args.shuffle_dataset, seed=args.seed)
+        self.max_steps = self._total_steps()
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(
+            args.lr_scheduler_type, self.optimizer,
+            num_warmup_steps=math.ceil(args.warmup_ratio * self.max_steps), num_training_steps=self.max_steps,
+        )
+        self.llm = self._build_engine(engine_kwargs or {})
+        self.weight_sync = WeightSync(self.llm, self.model)
+        self.sampling_params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
+        )
+        self.loss_kwargs = loss_kwargs_from_config(args)
+        self.global_step = 0
+        self.logger: MetricsLogger | None = None
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _load_model(self, model, processing_class):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(model, str):
+            path = model
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            path = getattr(model.config, "_name_or_path", None)
+        model = model.to(self.device).float().train()  # fp32 master weights; bf16 by autocast
+        tok = processing_class
+        if tok is None:
+            if not path:
+                raise ValueError("processing_class (the tokenizer) is required for an in-memory model")
+            tok = AutoTokenizer.from_pretrained(path)
+        return model, tok
+
+    def _check_lengths(self) -> None:
+        a = self.args
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        need = (a.max_prompt_length or 0) + a.max_completion_length
+        if context is not None and need > context:
+            raise ValueError(
+                f"max_prompt_length + max_completion_length = {need} exceeds the model's context "
+                f"({context} tokens); lower one of them"
+            )
+        if "prompt" not in self.train_dataset.column_names:
+            raise ValueError(f"train_dataset needs a 'prompt' column; it has {self.train_dataset.column_names}")
+
+    def _total_steps(self) -> int:
+        a = self.args
+        per_generation = a.num_iterations * a.steps_per_generation // a.gradient_accumulation_steps
+        if a.max_steps > 0:
+            return a.max_steps
+        return max(1, int(a.num_train_epochs * self.sampler.batches_per_epoch * per_generation))
+
+    def _build_engine(self, engine_kwargs: dict):
+        from tandem import LLM
+
+        a = self.args
+        kwargs = dict(
+            tokenizer=self.tokenizer, dtype="bfloat16" if self.use_bf16 else "float32",
+            max_model_len=a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
+            gpu_memory_utilization=a.vllm_gpu_memory_utilization, enable_sleep_mode=a.vllm_enable_sleep_mode,
+            seed=a.seed, logprobs_mode="processed_logprobs", max_num_seqs=max(8, a.generation_batch_size),
+        )
+        kwargs.update(engine_kwargs)
+        llm = LLM(self.model, **kwargs)
+        if a.vllm_enable_sleep_mode:
+            llm.sleep(a.engine_sleep_level)
+        return llm
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
+        a = self.args
+        resume_step = self._resume(resume_from_checkpoint)
+        self.logger = MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step)
+        last = {}
+        try:
+            while self.global_step < self.max_steps:
+                last = self.step()
+                if a.save_steps and self.global_step % a.save_steps == 0:
+                    self.save_checkpoint()
+        finally:
+            self.logger.close()
+        return last
+
+    def step(self) -> dict:
+        """One generation round and the optimizer steps it feeds; returns the logged metrics."""
+        a = self.args
+        times = {}
+        t = time.perf_counter()
+        self.weight_sync.sync()  # wakes the engine and copies the trainer's weights in place
+        times["time/weight_sync"] = time.perf_counter() - t
+        t = time.perf_counter()
+        batch = build_prompt_batch(self.train_dataset, self.sampler.next_batch(), self.tokenizer,
+                                   a.max_prompt_length, a.chat_template_kwargs)
+        seed = (a.seed * 1_000_003 + self.global_step * 65_537) % (1 << 31)
+        rollout = generate_rollout(self.llm, batch, a.num_generations, self.sampling_params, seed)
+        if a.vllm_enable_sleep_mode:
+            self.llm.sleep(a.engine_sleep_level)
+        times["time/generate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        prompts = batch.repeated_prompts(a.num_generations)
+        result = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
+                              **batch.reward_columns(a.num_generations))
+        advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)
+        times["time/reward"] = time.perf_counter() - t
+        t = time.perf_counter()
+        train_metrics = self._train_on(rollout, advantages.to(self.device))
+        times["time/train"] = time.perf_counter() - t
+        metrics = {**reward_metrics(result.rewards, a.num_generations), **result.metrics(), **train_metrics,
+                   **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
+                   "engine/weights_version": self.llm.llm_engine.weights_version}
+        metrics["time/step"] = sum(v for k, v in times.items())
+        if self.logger is not None and self.global_step % max(1, a.logging_steps) == 0:
+            self.logger.log(self.global_step, metrics)
+            if a.log_completions:
+                self.logger.log_completions(self.global_step, [self.tokenizer.decode(p) for p in rollout.prompt_ids],
+                                            rollout.texts, result.rewards.tolist(), advantages.tolist(),
+                                            a.num_completions_to_print)
+        return metrics
+
+    def _train_on(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
+        a = self.args
+        data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
+        N, T = data["completion_mask"].shape
+        mb = a.per_device_train_batch_size
+        micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
+        needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
+        old_logp = self._logps(self.model, data, no_grad=True) if needs_old else None
+        ref_logp = self._logps(self.ref_model, data, no_grad=True) if self.ref_model is not None else None
+        sums: dict[str, float] = {}
+        count = 0
+        ga = a.gradient_accumulation_steps
+        for _ in range(a.num_iterations):
+            for g in range(0, len(micro), ga):
+                group = micro[g : g + ga]
+                tokens = sum(data["completion_mask"][s].sum() for s in group)
+                for s in group:
+                    logp = self._logps(self.model, data, rows=s)
+                    loss, m = grpo_loss(
+                        logp, None if old_logp is None else old_logp[s], advantages[s],
+                        data["completion_mask"][s], engine_logp=data["engine_logp"][s]
+                        if a.vllm_importance_sampling_correction else None,
+                        ref_logp=None if ref_logp is None else ref_logp[s],
+                        num_items_in_batch=tokens, num_micro_batches=len(group), **self.loss_kwargs,
+                    )
+                    loss.backward()
+                    m["loss"] = loss.detach() * len(group)
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                    count += 1
+                if a.max_grad_norm:
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(
+                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)) * len(group)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.global_step += 1
+                self.weight_sync.mark_stale()
+        return {k: v / max(1, count) for k, v in sums.items()}
+
+    def _logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+        with torch.no_grad() if no_grad else nullcontext(), autocast:
+            return completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
+                                    data["logits_to_keep"], self.args.temperature,
+                                    micro_batch_size=self.args.per_device_train_batch_size)
+
+    def _rollout_metrics(self, r: Rollout) -> dict:
+        lens = torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32)
+        return {
+            "completions/mean_length": lens.mean().item(), "completions/min_length": lens.min().item(),
+            "completions/max_length": lens.max().item(),
+            "completions/clipped_ratio": sum(r.truncated) / max(1, len(r.truncated)),
+            "completions/num_tokens": float(r.num_completion_tokens),
+        }
+
+    @torch.no_grad()
+    def evaluate(self, dataset=None, num_samples: int | None = None) -> dict:
+        """Greedy completions for held-out prompts, scored by the reward functions."""
+        a = self.args
+        dataset = load_prompt_dataset(dataset) if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs a dataset (or eval_dataset given to the trainer)")
+        n = min(len(dataset), num_samples or len(dataset))
+        batch = build_prompt_batch(dataset, list(range(n)), self.tokenizer, a.max_prompt_length, a.chat_template_kwargs)
+        self.weight_sync.sync()
+        greedy = SamplingParams(temperature=0, max_tokens=a.max_completion_length)
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in batch.prompt_ids], greedy, use_tqdm=False)
+        if a.vllm_enable_sleep_mode:
+            self.llm.sleep(a.engine_sleep_level)
+        texts = [o.outputs[0].text for o in outs]
+        result = self.rewards(batch.prompts, wrap_completions(batch.prompts, texts),
+                              [o.outputs[0].token_ids for o in outs], **batch.reward_columns(1))
+        return {f"eval/{k.removeprefix('rewards/')}": v for k, v in result.metrics().items()} | {
+            "eval/reward": torch.nanmean(result.rewards).item(), "eval/num_samples": n}
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def save_checkpoint(self):
+        state = {"sampler": self.sampler.state_dict(), "config": self.args.to_dict(),
+                 "weights_version": self.llm.llm_engine.weights_version}
+        return ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
+                                    optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
+                                    save_total_limit=self.args.save_total_limit)
+
+    def _resume(self, resume_from_checkpoint) -> int | None:
+        if not resume_from_checkpoint:
+            return None
+        path = (ckpt.latest_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
+                else resume_from_checkpoint)
+        if path is None:
+            raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.sampler.load_state_dict(state["sampler"])
+        self.global_step = int(state["global_step"])
+        self.weight_sync.mark_stale()
+        return self.global_step

@@ -1,0 +1,51 @@
+"""Trainer -> engine weight sync, with a check that makes a silently skipped sync impossible.
+
+TRL once shipped a sleep-mode path whose sync stopped without a word, and runs trained on rollouts
+of the base model. Here every sync bumps the engine's weights_version, and a sampled tensor of the
+engine is compared with the trainer's after the copy: a mismatch raises at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class WeightSync:
+    def __init__(self, llm, model: torch.nn.Module):
+        self.llm = llm
+        self.model = model
+        self.stale = True  # the engine's weights may differ from the trainer's
+        self.num_syncs = 0
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Wake the engine if it sleeps, and copy the trainer's weights in when they changed."""
+        engine = self.llm.llm_engine
+        if engine.is_sleeping:
+            # Weights first so a level-2 sleep refills before the KV cache takes memory back.
+            if self.stale or not engine.weights_valid:
+                self.llm.wake_up(["weights"])
+                self._copy()
+            self.llm.wake_up(["kv_cache"])
+        elif self.stale:
+            self._copy()
+
+    def _copy(self) -> None:
+        engine = self.llm.llm_engine
+        before = engine.weights_version
+        self.llm.update_weights_from_model(self.model)
+        if engine.weights_version != before + 1:
+            raise RuntimeError("weight sync did not reach the engine (weights_version did not move)")
+        self._verify()
+        self.stale = False
+        self.num_syncs += 1
+
+    def _verify(self) -> None:
+        """The engine's embedding must equal the trainer's, up to the engine's dtype."""
+        ours = self.model.get_input_embeddings().weight
+        theirs = self.llm.llm_engine.model.model.embed_tokens.weight
+        if not torch.equal(ours.to(theirs.dtype), theirs):
+            raise RuntimeError("after the weight sync the engine's embedding differs from the trainer's")
