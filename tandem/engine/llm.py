@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from tandem.config import EngineConfig
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.outputs import RequestOutput
+from tandem.parallel.workers import start_workers
 from tandem.sampling_params import SamplingParams
 
 
@@ -25,6 +26,8 @@ class LLM:
         self.config = EngineConfig.from_kwargs(
             model=None if hf_model is not None else model, tokenizer=tokenizer, **kwargs
         )
+        # tensor parallel without a process group: spawn ranks 1..N-1, each runs what `mirror` sends
+        self.tp_workers, hf_model = start_workers(self.config, hf_model, tok_obj)
         self.llm_engine = LLMEngine(self.config, model=hf_model, tokenizer=tok_obj)
 
     def get_tokenizer(self):
@@ -48,6 +51,8 @@ class LLM:
                 raise ValueError(
                     f"sampling_params: got {len(params)} for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        if self.tp_workers is not None:  # tensor parallel: spawned ranks make the same call
+            self.tp_workers.mirror("generate", prompts, params)
         engine = self.llm_engine
         engine._check_awake()
         # Check everything before queueing anything, so bad input leaves the engine untouched.
@@ -89,24 +94,34 @@ class LLM:
     # -- colocation: the engine shares its device with a trainer ----------------------------------
     def sleep(self, level: int = 1) -> dict:
         """Level 1: offload weights to pinned host memory and free the KV cache; level 2: free both."""
+        if self.tp_workers is not None:  # tensor parallel: spawned ranks make the same call
+            self.tp_workers.mirror("sleep", level)
         return self.llm_engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> dict:
         """Restore `tags` ("weights", "kv_cache"; default both)."""
+        if self.tp_workers is not None:  # tensor parallel: spawned ranks make the same call
+            self.tp_workers.mirror("wake_up", tags)
         return self.llm_engine.wake_up(tags)
 
     def load_weights(self, weights) -> int:
         """Load an iterable of (HF name, tensor) in place; merged q/k/v and gate/up handled."""
+        if self.tp_workers is not None:  # tensor parallel: not mirrored, raises a clear error
+            self.tp_workers.mirror("load_weights")
         return self.llm_engine.load_weights(weights)
 
     def update_weights_from_model(self, model: torch.nn.Module) -> int:
         """Copy a trainer's HF model into the engine, device to device."""
+        if self.tp_workers is not None:  # tensor parallel: not mirrored, raises a clear error
+            self.tp_workers.mirror("update_weights_from_model")
         return self.llm_engine.update_weights_from_model(model)
 
     def memory_report(self) -> dict:
         return self.llm_engine.memory_report()
 
     def reset_prefix_cache(self) -> None:
+        if self.tp_workers is not None:  # tensor parallel: spawned ranks make the same call
+            self.tp_workers.mirror("reset_prefix_cache")
         self.llm_engine.reset_prefix_cache()
 
     def _as_list(self, prompts) -> list:

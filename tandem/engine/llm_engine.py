@@ -28,6 +28,7 @@ from tandem.models.loader import (
     resolve_model,
 )
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.parallel.tensor_parallel import init_tensor_parallel
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -64,12 +65,15 @@ class LLMEngine(ColocationMixin):
         config.check_model_len(self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(source)
         self.model = build_model(self.hf_config, self.max_model_len, self.dtype, self.device)
+        self.tp_group = init_tensor_parallel(self.model, config, self.device)  # None unless TP > 1
         self._load_initial_weights(source)
         self.use_cumem = self._use_cumem()
         self.weight_store = WeightStore(self.model, self.device, self.use_cumem)
         self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
         self.attention_backend = self.model_runner.set_attention_backend(config.attention_backend)
         self.num_blocks = determine_num_blocks(self, config)
+        if self.tp_group is not None:  # tensor parallel: ranks schedule alike, smallest cache wins
+            self.num_blocks = self.tp_group.agree_min(self.num_blocks)
         self.model_runner.allocate_kv_cache(self.num_blocks, self.use_cumem)
         self.cudagraph_capture_s = None
         if self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton":

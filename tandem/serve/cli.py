@@ -1,0 +1,127 @@
+"""`tandem serve [MODEL]`: the OpenAI-compatible server, with every engine flag."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from tandem.engine.arg_utils import add_engine_args, engine_kwargs
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def add_subcommands(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server over one engine")
+    p.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="model dir, .gguf file or architecture name (default: the embedded model)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port (default: 8000)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("TANDEM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default: $TANDEM_API_KEY)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: MODEL as given)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=4096,
+        help="admission bound: beyond this many waiting requests answer 503 (default: 4096)",
+    )
+    p.add_argument(
+        "--enable-admin-api",
+        action="store_true",
+        help="mount /sleep, /wake_up, /update_weights, ... (needs --api-key)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one (default: the tokenizer's)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tandem.config import EngineConfig
+    from tandem.serve.app import build_app
+    from tandem.serve.async_engine import AsyncLLM
+    from tandem.serve.server import bind_socket, serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ValueError(f"model given twice: {args.model_arg!r} and --model {args.model!r}")
+    if args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    if args.tensor_parallel_size > 1:  # ranks would need every add/abort/step mirrored in lockstep
+        raise ValueError(
+            "tandem serve does not run tensor parallel yet; use --tensor-parallel-size 1"
+        )
+    model = args.model_arg or args.model
+    config = EngineConfig.from_kwargs(**{**engine_kwargs(args), "model": model})
+    chat_template = _read_template(args.chat_template)
+    if args.enable_admin_api and not args.api_key:
+        raise ValueError("--enable-admin-api needs --api-key (or $TANDEM_API_KEY)")
+    if args.host not in _LOOPBACK and not args.api_key:
+        print(
+            f"warning: listening on {args.host} without --api-key: anyone who can reach this "
+            "port can use the server",
+            file=sys.stderr,
+        )
+    try:  # before loading the model: fail fast on a busy port
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    llm = AsyncLLM.from_config(config, max_waiting_requests=args.max_waiting_requests)
+    try:
+        app = build_app(
+            llm,
+            args.served_model_name or model or DEFAULT_MODEL_NAME,
+            api_key=args.api_key,
+            enable_admin_api=args.enable_admin_api,
+            chat_template=chat_template,
+            model_root=model,
+        )
+        host, port = sock.getsockname()[:2]
+        url_host = f"[{host}]" if ":" in host else host
+        print(f"tandem serve: listening on http://{url_host}:{port}", flush=True)
+        serve(
+            app,
+            sock,
+            shutdown_timeout_s=args.shutdown_timeout,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
+    finally:
+        llm.shutdown()
+    print("tandem serve: stopped", flush=True)
+    return 0
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None or "{" in value:
+        return value
+    if not os.path.isfile(value):
+        raise ValueError(f"--chat-template: {value!r} is neither a template nor a file")
+    with open(value, encoding="utf-8") as f:
+        return f.read()

@@ -1,0 +1,164 @@
+"""Request bodies of the OpenAI API (plus vLLM's extra sampling fields), validated by pydantic.
+
+Range checks live here so that a bad value is rejected with the field's name before anything
+reaches the engine; `sampling_params()` maps a validated request onto `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+
+from tandem.sampling_params import SamplingParams
+from tandem.serve.errors import APIError
+
+MAX_N = 128  # OpenAI's own bound on `n`
+MAX_LOGPROBS = 20
+_INT64 = 2**63
+TokenIds = list[StrictInt]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stop: str | list[str] | None = Field(None, max_length=64)
+    stop_token_ids: TokenIds | None = Field(None, max_length=1024)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = (
+        False  # vLLM: token ids beside the text (the only output without a tokenizer)
+    )
+    user: str | None = None
+    # Accepted so that clients sending them get a clear 400, not a silently different result.
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler):
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists"
+            ) from None
+        if isinstance(prompt, list) and (not prompt or any(p in ([], "") for p in prompt)):
+            raise ValueError("must not be empty")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts (one text or one token-id list each)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, ...: passed to the template
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+
+def reject_unsupported(req: _SamplingRequest) -> None:
+    """Fields we parse but do not implement: an error naming them beats ignoring them."""
+    unsupported = {
+        "logit_bias": bool(req.logit_bias),
+        "prompt_logprobs": req.prompt_logprobs is not None,
+        "suffix": getattr(req, "suffix", None) is not None,
+        "best_of": getattr(req, "best_of", None) not in (None, req.n),
+        "tools": bool(getattr(req, "tools", None)),
+        "response_format": (getattr(req, "response_format", None) or {}).get("type", "text")
+        != "text",
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise APIError(
+                f"{name} is not supported by this server", param=name, code="unsupported"
+            )
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+
+
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    """SamplingParams for a validated request (raises ValueError naming the field)."""
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return SamplingParams(
+        n=req.n,
+        temperature=pick(req.temperature, 1.0),
+        top_p=pick(req.top_p, 1.0),
+        top_k=pick(req.top_k, 0),
+        min_p=pick(req.min_p, 0.0),
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        seed=req.seed,
+        logprobs=logprobs,
+        repetition_penalty=pick(req.repetition_penalty, 1.0),
+        presence_penalty=pick(req.presence_penalty, 0.0),
+        frequency_penalty=pick(req.frequency_penalty, 0.0),
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )

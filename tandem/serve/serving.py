@@ -1,0 +1,233 @@
+"""What the completion and chat endpoints share: prompt checks, sampling parameters, the
+server-sent-event framing, usage, and cancelling a request whose client went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import ClassVar
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from tandem.outputs import Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.serve.async_engine import AsyncLLM, EngineError, EngineUnavailable, Overloaded
+from tandem.serve.errors import APIError, error_body, from_value_error
+from tandem.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    reject_unsupported,
+    sampling_params,
+)
+from tandem.serve.request_stream import RequestStream
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+class OpenAIServing:
+    """Base of the endpoints: one engine, one served model name."""
+
+    request_fields: ClassVar[frozenset[str]] = frozenset()  # for naming `param` in errors
+
+    def __init__(self, llm: AsyncLLM, model_name: str, retry_after_s: int = 1):
+        self.llm = llm
+        self.model_name = model_name
+        self.retry_after_s = retry_after_s
+
+    # -- checks, before anything reaches the engine ----------------------------------------------
+    def check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(
+                f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+        reject_unsupported(req)
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.llm.vocab_size]
+        if bad:
+            raise APIError(
+                f"stop_token_ids: {bad[:5]} are outside the vocabulary [0, {self.llm.vocab_size})",
+                param="stop_token_ids",
+            )
+
+    def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """Token ids of `text`; a 400 for text that is not valid Unicode (a lone surrogate, which
+        JSON can carry and the tokenizer cannot take)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                f"{param}: not valid Unicode ({e.reason} at {e.start})",
+                param=param,
+                code="invalid_unicode",
+            ) from None
+        return self.llm.tokenizer.encode(text, **kwargs)
+
+    def make_params(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        prompt_ids: list[int],
+        max_tokens_field: str,
+        logprobs: int | None,
+        prompt_field: str,
+    ) -> SamplingParams:
+        """Sampling parameters for one prompt; the prompt and max_tokens checked against the
+        context length. Every failure is a 400 naming the field."""
+        room = self.llm.max_model_len - len(prompt_ids)  # >= 1 unless the prompt is too long
+        value = getattr(req, max_tokens_field)
+        if max_tokens_field in req.model_fields_set and value is not None:
+            if 0 < room < value:
+                raise APIError(
+                    f"{max_tokens_field}: this model's maximum context length is "
+                    f"{self.llm.max_model_len} tokens, but you asked for {len(prompt_ids) + value} "
+                    f"({len(prompt_ids)} in the prompt, {value} to generate); lower "
+                    f"{max_tokens_field} to at most {room}",
+                    param=max_tokens_field,
+                    code="context_length_exceeded",
+                )
+            max_tokens = value
+        else:  # the default (16 for completions), or what fits the context
+            max_tokens = max(1, min(value or room, room))  # (validate_request flags a long prompt)
+        rename = {
+            "prompt_token_ids": prompt_field,
+            "prompt": prompt_field,
+            "max_tokens": max_tokens_field,
+            "logprobs": _logprobs_field(req),
+        }
+        try:
+            params = sampling_params(req, max_tokens, logprobs)
+            self.llm.engine.validate_request(prompt_ids, params)  # reads config only: thread-safe
+        except ValueError as e:
+            raise from_value_error(e, self.request_fields, rename) from None
+        return params
+
+    def submit(
+        self, requests: list[tuple[str, dict, SamplingParams]], output_kind: str
+    ) -> RequestStream:
+        """Hand checked requests to the engine, or answer 503 (queue full, engine asleep/gone)."""
+        retry = {"Retry-After": str(self.retry_after_s)}
+        if getattr(self.llm.engine, "is_sleeping", False):
+            raise APIError(
+                "the engine is asleep (admin /sleep); retry after /wake_up",
+                503,
+                code="engine_asleep",
+                headers=retry,
+            )
+        try:
+            return self.llm.submit(requests, output_kind)
+        except Overloaded as e:
+            raise APIError(str(e), 503, code="overloaded", headers=retry) from None
+        except EngineUnavailable as e:
+            raise APIError(str(e), 503, code="engine_unavailable") from None
+
+    # -- running ---------------------------------------------------------------------------------
+    async def run_to_end(self, raw: Request, stream: RequestStream) -> list[RequestOutput] | None:
+        """Final outputs of all requests; None (and aborted) if the client disconnects first."""
+        finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
+
+        async def collect() -> None:
+            async for i, out in stream:
+                finals[i] = out
+
+        try:
+            await until_disconnect(raw, collect())
+        except ClientDisconnected:
+            return None
+        except EngineError as e:
+            raise APIError(str(e), 500, code="engine_error") from None
+        except EngineUnavailable as e:
+            raise APIError(str(e), 503, code="engine_unavailable") from None
+        return finals  # type: ignore[return-value]
+
+    def event_stream(self, events: AsyncIterator[dict], stream: RequestStream) -> StreamingResponse:
+        """A `text/event-stream` response of `data: {json}` events ending in `data: [DONE]`;
+        when the client goes away its requests are aborted (the background task runs then)."""
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield f"data: {_dumps(event)}\n\n"
+            except (EngineError, EngineUnavailable) as e:
+                status = 500 if isinstance(e, EngineError) else 503
+                yield f"data: {_dumps(error_body(str(e), status))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        async def abort() -> None:
+            stream.abort()
+
+        return StreamingResponse(
+            body(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(abort),
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_str(token_id: int, lp: Logprob | None) -> str:
+    """A token's text; without a tokenizer, vLLM's `token_id:<id>` form."""
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return f"token_id:{token_id}"
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB
+
+
+async def until_disconnect(request: Request, work: Awaitable) -> None:
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise ClientDisconnected()
+    task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def disconnected_response() -> Response:
+    return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+
+def _logprobs_field(req) -> str:
+    return "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+
+
+def _dumps(obj: dict) -> str:
+    return json.dumps(obj, separators=(",", ":"))

@@ -1,0 +1,68 @@
+"""/health, /v1/models, /version and the Prometheus /metrics."""
+
+from __future__ import annotations
+
+import re
+
+from .helpers import MODEL_NAME
+
+
+def _samples(text: str) -> dict[str, float]:
+    """'name{labels}' -> value, for every sample line of a Prometheus text exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def test_health_models_version(server):
+    assert server.get("/health")[0] == 200
+    status, _, models = server.get("/v1/models")
+    assert status == 200 and models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == MODEL_NAME and card["max_model_len"] == server.engine.max_model_len
+    status, _, version = server.get("/version")
+    assert status == 200 and version["version"]
+
+
+def test_metrics(server):
+    prompt = "The capital of France is Paris. The capital of Italy is Rome. " * 3  # > 2 blocks
+    for _ in range(2):
+        server.stream("/v1/completions", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True})
+    server.post(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True},
+    )
+    server.wait_idle()
+    status, headers, text = server.get("/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for family in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_hit_rate",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "generation_tokens",
+        "request_success",
+    ):
+        assert f"# TYPE tandem:{family} " in text, family
+    label = f'model_name="{MODEL_NAME}"'
+    m = _samples(text)
+    assert m[f"tandem:num_requests_running{{{label}}}"] == 0
+    assert m[f"tandem:kv_cache_usage_perc{{{label}}}"] == 0.0
+    assert m[f"tandem:generation_tokens_total{{{label}}}"] >= 13
+    assert m[f"tandem:time_to_first_token_seconds_count{{{label}}}"] >= 2
+    assert m[f"tandem:inter_token_latency_seconds_count{{{label}}}"] >= 8
+    assert m[f"tandem:e2e_request_latency_seconds_count{{{label}}}"] >= 3
+    assert m[f'tandem:request_success_total{{{label},finished_reason="length"}}'] >= 3
+    assert 0 < m[f"tandem:prefix_cache_hit_rate{{{label}}}"] < 1  # the second prompt hit
+    buckets = [v for k, v in m.items() if k.startswith("tandem:e2e_request_latency_seconds_bucket")]
+    assert (
+        buckets == sorted(buckets)
+        and buckets[-1] == m[f"tandem:e2e_request_latency_seconds_count{{{label}}}"]
+    )
+    assert all(re.fullmatch(r"tandem:[a-z0-9_]+(\{[^}]*\})?", k) for k in m)

@@ -1,0 +1,124 @@
+"""`tandem serve` as a user runs it: a subprocess, flags, an ephemeral port, and SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+
+import tandem
+from tandem.cli import build_parser
+from tandem.config import EngineConfig
+
+ROOT = Path(tandem.__file__).resolve().parent.parent
+KEY = "sk-cli"
+
+
+def test_serve_flags_take_engine_defaults():
+    args = build_parser().parse_args(["serve", "some/model", "--max-num-seqs", "3"])
+    assert (args.model_arg, args.max_num_seqs, args.host, args.port) == (
+        "some/model",
+        3,
+        "127.0.0.1",
+        8000,
+    )
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in ("model", "max_num_seqs"):
+            assert getattr(args, f.name) == f.default, f.name
+    assert args.func.__module__ == "tandem.serve.cli"
+
+
+class _Proc:
+    """A `tandem serve` subprocess whose output is drained by a thread (so it never blocks)."""
+
+    def __init__(self, argv: list[str]):
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "serve", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.p.stdout), daemon=True).start()
+
+    def url(self, timeout: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(r"listening on (http://\S+)", line):
+                    return m.group(1)
+            assert self.p.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError("no 'listening on' line:\n" + "".join(self.lines))
+
+
+async def _read(session: aiohttp.ClientSession, url: str, body: dict, first: asyncio.Event) -> str:
+    text = ""
+    try:
+        async with session.post(url, json={**body, "stream": True}) as resp:
+            assert resp.status == 200, await resp.text()
+            async for chunk in resp.content.iter_any():
+                text += chunk.decode()
+                first.set()
+    except aiohttp.ClientError:
+        pass  # cut off by the shutdown
+    first.set()
+    return text
+
+
+def test_sigterm_finishes_in_flight_aborts_the_rest_and_exits_0(tiny_llama_dir):
+    proc = _Proc(
+        [
+            tiny_llama_dir,
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "tiny",
+            "--max-num-seqs",
+            "1",
+            "--shutdown-timeout",
+            "2",
+        ]
+    )
+    try:
+        base = proc.url()
+        short = {"model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True}
+        long = {"prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "n": 32}
+
+        async def main() -> tuple[str, str]:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            async with aiohttp.ClientSession(headers=headers) as s:
+                started = asyncio.Event()
+                a = asyncio.create_task(_read(s, base + "/v1/completions", short, started))
+                await started.wait()
+                b = asyncio.create_task(_read(s, base + "/v1/completions", long, asyncio.Event()))
+                waiting = re.compile(r"num_requests_waiting\{[^}]*\} 1\n")
+                while not waiting.search(await (await s.get(base + "/metrics")).text()):
+                    await asyncio.sleep(0.01)  # until b waits behind a (one sequence at a time)
+                proc.p.send_signal(signal.SIGTERM)
+                return await a, await b
+
+        done, cut = asyncio.run(main())
+        assert proc.p.wait(timeout=30) == 0, "".join(proc.lines)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+    assert done.endswith("data: [DONE]\n\n") and done.count('"finish_reason":"length"') == 1
+    assert "[DONE]" not in cut  # still running when the grace period ended: aborted
+    assert "tandem serve: stopped" in "".join(proc.lines)
