@@ -49,6 +49,8 @@ class ThroughputConfig:
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    profile: bool = False  # after the timed run, profile decode steps (torch.profiler)
     hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S
     peak_flops: float = H200_BF16_FLOPS
     output: str | None = None
@@ -149,7 +151,7 @@ def run_tandem(
         seed=cfg.seed,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enforce_eager=cfg.enforce_eager,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
     )
     if isinstance(model_or_name, torch.nn.Module):
         llm = LLM(model_or_name, **kwargs)
@@ -175,6 +177,11 @@ def run_tandem(
     assert produced == sum(out_lens), "ignore_eos requests must produce exactly max_tokens"
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
     fig = _figures("tandem", elapsed, prompts, produced, peak)
+    if cfg.profile:
+        from tandem.bench.profile_step import profile_decode
+
+        fig["profile"] = profile_decode(llm, num_steps=20, batch=min(len(prompts), cfg.max_num_seqs),
+                                        prompt_len=max(map(len, prompts)))
     eng = llm.llm_engine
     fig.update(
         kv_cache_blocks=eng.num_blocks,
@@ -311,6 +318,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    p.add_argument("--profile", action="store_true", help="profile decode steps after the timed run")
     p.add_argument("--hbm-bytes-per-s", type=float, default=d.hbm_bytes_per_s)
     p.add_argument("--peak-flops", type=float, default=d.peak_flops)
     p.add_argument("--output", default=None, help="write the JSON report here")

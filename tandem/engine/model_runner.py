@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig
@@ -84,46 +85,53 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flatten the step into token ids, positions, slot mapping and block tables.
+
+        Built with numpy and moved to the device in one pinned copy: this runs every step.
+        """
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            table = seq.block_table
-            if n == 1:
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-            if sched.sampling[i]:
-                sample_rows.append(query_start_loc[-1] - 1)
-        max_blocks = max(len(s.block_table) for s in sched.seqs)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in sched.seqs]
+        seqs = sched.seqs
+        B = len(seqs)
+        n = np.asarray(sched.num_new_tokens, dtype=np.int64)
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, B)
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        T = int(qsl[-1])
+        if sched.is_decode_only:
+            input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, B)
+            positions = starts
+            seq_index = np.arange(B)
+        else:
+            input_ids = np.fromiter(
+                (t for s, a, k in zip(seqs, starts.tolist(), sched.num_new_tokens) for t in s.token_ids[a : a + k]),
+                np.int64, T)
+            seq_index = np.repeat(np.arange(B), n)
+            positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((B, max_blocks), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
+        seq_lens = starts + n
+        host = np.concatenate([input_ids, positions, slots, qsl, seq_lens, tables.ravel()])
+        dev = torch.from_numpy(host)
+        if self.pin:
+            dev = dev.pin_memory()
+        dev = dev.to(self.device, non_blocking=True)
+        o = np.cumsum([0, T, T, T, B + 1, B])
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_start_loc=self._to_device(query_start_loc, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(tables, torch.int32),
-            max_query_len=max(sched.num_new_tokens),
-            max_seq_len=max(seq_lens),
+            slot_mapping=dev[o[2] : o[3]],
+            query_start_loc=dev[o[3] : o[4]].to(torch.int32),
+            seq_lens=dev[o[4] : o[5]].to(torch.int32),
+            block_tables=dev[o[5] :].view(B, max_blocks).to(torch.int32),
+            max_query_len=int(n.max()),
+            max_seq_len=int(seq_lens.max()),
             decode_only=sched.is_decode_only,
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
         )
-        return (
-            self._to_device(input_ids, torch.int64),
-            self._to_device(positions, torch.int64),
-            meta,
-            sample_rows,
-        )
+        sample_rows = (qsl[1:][np.asarray(sched.sampling, dtype=bool)] - 1).tolist()
+        return dev[o[0] : o[1]], dev[o[1] : o[2]], meta, sample_rows
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]

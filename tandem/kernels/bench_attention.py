@@ -1,21 +1,33 @@
 """Micro-benchmark of the Triton attention kernels on one GPU.
 
-    python -m tandem.kernels.bench_attention [--batch 256 --context 384 --heads 12 --kv-heads 2]
+    python -m tandem.kernels.bench_attention [--batch 256 --contexts 256 384 512 1024 --heads 12
+        --kv-heads 2 --baseline OLD_decode_attention.py --sweep]
 
-Decode is memory-bound: the table reports GB/s of KV cache read. Prefill reports TFLOP/s of the
-causal attention matmuls. Ends with one line of JSON.
+Decode is memory-bound: the table reports GB/s of KV cache read and its share of `--hbm-gbs`.
+Decode calls are timed as the engine runs them, inside a CUDA graph (no launch overhead), and
+rotate over enough copies of the cache that L2 holds none of what a call reads. `--baseline`
+loads another decode_attention module from a file (e.g. an older version, from `git show`) and
+times it beside the current one; `--sweep` also tries a grid of launch configurations. Prefill
+reports TFLOP/s of the causal attention matmuls. Ends with one line of JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
+import statistics
 
 import torch
 import triton.testing
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
-from tandem.kernels.decode_attention import decode_attention, default_num_splits
+from tandem.kernels import decode_attention as current
 from tandem.kernels.prefill_attention import prefill_attention
+
+LAUNCH_ERRORS = (OutOfResources, CompilationError, RuntimeError)
 
 
 def paged_cache(batch, context, kv_heads, head_dim, block_size, dtype):
@@ -29,19 +41,95 @@ def paged_cache(batch, context, kv_heads, head_dim, block_size, dtype):
     return k_cache, v_cache, perm.view(batch, blocks_per_seq)
 
 
-def bench_decode(args, num_splits):
+def decode_inputs(args, context: int, seed: int) -> dict:
+    torch.manual_seed(seed)
     dtype = getattr(torch, args.dtype)
     k_cache, v_cache, block_tables = paged_cache(
-        args.batch, args.context, args.kv_heads, args.head_dim, args.block_size, dtype
+        args.batch, context, args.kv_heads, args.head_dim, args.block_size, dtype
     )
+    if args.random_lengths:  # the same lengths in every cache set
+        gen = torch.Generator().manual_seed(1234)
+        seq_lens = torch.randint(1, context + 1, (args.batch,), generator=gen, dtype=torch.int32)
+        seq_lens = seq_lens.cuda()
+    else:
+        seq_lens = torch.full((args.batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(args.batch, args.heads, args.head_dim, dtype=dtype, device="cuda")
-    seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device="cuda")
-    scale = args.head_dim**-0.5
-    ms = triton.testing.do_bench(
-        lambda: decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits)
-    )
-    kv_bytes = 2 * args.batch * args.context * args.kv_heads * args.head_dim * dtype.itemsize
-    return {"kernel": "decode", "splits": num_splits, "us": ms * 1e3, "GB/s": kv_bytes / ms / 1e6}
+    return {"q_BNH": q, "k_cache": k_cache, "v_cache": v_cache, "seq_lens": seq_lens,
+            "block_tables": block_tables, "scale": args.head_dim**-0.5}
+
+
+def time_in_graph(calls, repeats: int = 5, replays: int = 10) -> float:
+    """Median microseconds per call of `calls` (each a closure over its own inputs), replayed
+    from one CUDA graph that runs each call once."""
+    for call in calls:  # compile outside capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * len(calls)))
+    return statistics.median(times)
+
+
+class DecodeBench:
+    """Cache sets for one context length, enough of them that L2 holds none between calls."""
+
+    def __init__(self, args, context: int):
+        self.args, self.context = args, context
+        first = decode_inputs(args, context, seed=0)
+        set_bytes = 2 * first["k_cache"].numel() * first["k_cache"].element_size()
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        n_sets = min(8, max(2, -(-4 * l2 // set_bytes)))
+        self.sets = [first] + [decode_inputs(args, context, seed=i) for i in range(1, n_sets)]
+        lens = first["seq_lens"].long()
+        self.kv_bytes = int(2 * lens.sum() * args.kv_heads * args.head_dim
+                            * first["k_cache"].element_size())
+
+    def run(self, fn, label: str, **kwargs) -> dict:
+        row = {"kernel": label, "context": self.context,
+               **{k: (v if not hasattr(v, "__dict__") else vars(v)) for k, v in kwargs.items()}}
+        try:
+            us = time_in_graph([lambda s=s: fn(**s, **kwargs) for s in self.sets])
+        except LAUNCH_ERRORS as e:  # e.g. a sweep config needing more shared memory than exists
+            return {**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"}
+        gbs = self.kv_bytes / us / 1e3
+        return {**row, "us": us, "GB/s": gbs, "hbm%": 100 * gbs / self.args.hbm_gbs}
+
+    def check(self, fn) -> None:
+        """The current kernel agrees with `fn` (the baseline) on one input set."""
+        s = self.sets[0]
+        torch.testing.assert_close(current.decode_attention(**s), fn(**s), atol=2e-2, rtol=2e-2)
+
+
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("decode_attention_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep_configs(args) -> list:
+    out = []
+    for heads_kv, block_n, warps, stages in itertools.product(
+        [1, 2], [16, 32, 64], [4, 8], [2, 3, 5]
+    ):
+        if args.kv_heads % heads_kv or heads_kv * args.head_dim > 256:
+            continue
+        if heads_kv * block_n * args.head_dim > 16384:  # > 32 KB per K tile: no room for stages
+            continue
+        out.append(current.DecodeConfig(heads_kv, block_n, warps, stages))
+    return out
 
 
 def bench_prefill(args, prompt_len, num_prompts):
@@ -64,33 +152,81 @@ def bench_prefill(args, prompt_len, num_prompts):
             "TFLOP/s": flops / ms / 1e9}
 
 
+def print_decode(rows: list[dict]) -> None:
+    print(f"{'kernel':<10}{'ctx':>6}{'splits':>8}  {'config (heads_kv/block_n/warps/stages)':<40}"
+          f"{'us':>9}{'GB/s':>8}{'hbm%':>7}")
+    for r in rows:
+        cfg = r.get("config")
+        cfg = "/".join(str(v) for v in cfg.values()) if cfg else "default"
+        splits = r.get("num_splits") or f"{r.get('default_splits', '')}*"
+        if "error" in r:
+            print(f"{r['kernel']:<10}{r['context']:>6}{splits:>8}  {cfg:<40}  {r['error']}")
+            continue
+        print(f"{r['kernel']:<10}{r['context']:>6}{splits:>8}  {cfg:<40}"
+              f"{r['us']:>9.1f}{r['GB/s']:>8.0f}{r['hbm%']:>7.0f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--context", type=int, default=384)
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 384, 512, 1024])
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--random-lengths", action="store_true",
+                   help="seq_lens uniform in [1, context] instead of all equal to it")
+    p.add_argument("--baseline", help="a decode_attention.py to time beside the current one")
+    p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 8],
+                   help="split counts timed besides the default")
+    p.add_argument("--hbm-gbs", type=float, default=4200.0,
+                   help="bandwidth the hbm%% column is relative to (H200 copy: 4200)")
+    p.add_argument("--no-prefill", action="store_true")
     args = p.parse_args()
 
-    default = default_num_splits(
-        args.batch, args.kv_heads, args.context, torch.device("cuda")
-    )
-    rows = [bench_decode(args, s) for s in sorted({1, 2, 4, default})]
-    rows.append(bench_prefill(args, 1024, 16))
-    rows.append(bench_prefill(args, 4096, 2))
-    print(f"{torch.cuda.get_device_name()}  {args.dtype}  heads {args.heads}/{args.kv_heads}"
-          f"  head_dim {args.head_dim}  block_size {args.block_size}")
-    print(f"{'kernel':<22}{'splits':>8}{'us':>10}{'GB/s':>10}{'TFLOP/s':>10}")
-    for r in rows:
-        splits = r.get("splits", "")
-        splits = f"{splits}{'*' if splits == default else ''}"
-        print(f"{r['kernel']:<22}{splits:>8}{r['us']:>10.1f}"
-              f"{r.get('GB/s', float('nan')):>10.0f}{r.get('TFLOP/s', float('nan')):>10.1f}")
-    print("(* default split count)")
-    print(json.dumps({"args": vars(args), "default_splits": default, "results": rows}))
+    baseline = load_module(args.baseline) if args.baseline else None
+    dtype = getattr(torch, args.dtype)
+    default_cfg = current.decode_config(args.kv_heads, args.head_dim, dtype)
+    rows: list[dict] = []
+    for context in args.contexts:
+        bench = DecodeBench(args, context)
+        default_splits = current.default_num_splits(
+            args.batch, args.kv_heads, context, torch.device("cuda"), default_cfg.heads_kv
+        )
+        if baseline is not None:
+            bench.check(baseline.decode_attention)
+            base_splits = baseline.default_num_splits(
+                args.batch, args.kv_heads, context, torch.device("cuda")
+            )
+            rows.append({**bench.run(baseline.decode_attention, "baseline"),
+                         "default_splits": base_splits})
+        rows.append({**bench.run(current.decode_attention, "current"),
+                     "default_splits": default_splits})
+        for splits in args.splits:
+            rows.append(bench.run(current.decode_attention, "current", num_splits=splits))
+        if args.sweep:
+            swept = [bench.run(current.decode_attention, "sweep", num_splits=splits, config=cfg)
+                     for cfg in sweep_configs(args) for splits in (1, 2, 4)]
+            ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
+            rows += ok[:10] + [r for r in swept if "error" in r]
+        del bench
+        torch.cuda.empty_cache()
+
+    print(f"{torch.cuda.get_device_name()}  {args.dtype}  batch {args.batch}  heads "
+          f"{args.heads}/{args.kv_heads}  head_dim {args.head_dim}  block_size {args.block_size}"
+          f"  lengths {'random' if args.random_lengths else 'equal'}  default config "
+          f"{default_cfg}")
+    print_decode(rows)
+    print("(* default split count; decode timed in CUDA graphs with L2 defeated)")
+    if not args.no_prefill:
+        prefill = [bench_prefill(args, 1024, 16), bench_prefill(args, 4096, 2)]
+        print(f"{'kernel':<22}{'us':>10}{'TFLOP/s':>10}")
+        for r in prefill:
+            print(f"{r['kernel']:<22}{r['us']:>10.1f}{r['TFLOP/s']:>10.1f}")
+        rows += prefill
+    print(json.dumps({"args": vars(args), "default_config": vars(default_cfg), "results": rows}))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,23 @@
 """Triton paged decode attention: one query per sequence, grouped-query heads, split-KV.
 
-Reference: `attention_ref.paged_attention_ref` with one query per sequence. Stage 1 runs one
-program per (sequence, kv head, split): it loads each key/value tile once for all query heads of
-the group (a tl.dot over the group, padded to 16 rows) and writes a partial output and its
-log-sum-exp. Stage 2 merges the splits. The number of splits depends on shapes only, never on
-device values, so the launch can be captured in a CUDA graph and replayed with any seq_lens. It is
-a runtime argument: a new split count needs no recompilation.
+Reference: `attention_ref.paged_attention_ref` with one query per sequence. One program per
+(kv-head block, split, sequence) streams its share of the sequence's keys in tiles of BLOCK_N.
+A program serves `heads_kv` kv heads at once (both of them for Qwen2.5-1.5B), so a tile is one
+contiguous run of `heads_kv * head_dim` elements per token rather than one head's slice of it.
+Their query heads are stacked block-diagonally, [heads_kv * group, heads_kv * head_dim], so one
+tl.dot scores every query head against its own kv head (the zeros cost tensor-core work, which
+decode has to spare; memory traffic is what counts).
+
+With one split the program writes the final output. With several it writes a partial output and
+its log-sum-exp, and a second kernel merges the splits. The split count depends on shapes only,
+never on device values, so the launch can be captured in a CUDA graph and replayed with any
+seq_lens. It is a runtime argument: a new split count needs no recompilation.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,25 +27,27 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled variant for every split count
-def _decode_split_kernel(
+def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
-    mid_out_ptr, mid_lse_ptr,
+    out_ptr, lse_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
+    HEADS_KV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_block = tl.program_id(0)
+    split = tl.program_id(1)
+    seq = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split takes an equal share of this sequence's keys, rounded up to whole tiles;
@@ -47,48 +56,57 @@ def _decode_split_kernel(
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < GROUP
-    head = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
+    # Rows: this program's query heads; columns: its kv heads' dims side by side.
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < HEADS_KV * GROUP
+    head = kv_block * (HEADS_KV * GROUP) + rows
+    cols = tl.arange(0, HEADS_KV * BLOCK_D)
+    col_kv = cols // BLOCK_D
+    col_d = cols % BLOCK_D
+    if HEAD_DIM == BLOCK_D:
+        col_mask = cols < HEADS_KV * BLOCK_D  # all true; keeps the loads vectorized
+    else:
+        col_mask = col_d < HEAD_DIM
+    own = (rows[:, None] // GROUP == col_kv[None, :]) & row_mask[:, None] & col_mask[None, :]
     seq64 = seq.to(tl.int64)
-    q_offs = seq64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(q_ptr + seq64 * stride_qb + head[:, None] * stride_qh + col_d[None, :],
+                mask=own, other=0.0)  # [M, C] block-diagonal
 
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
+    kv_head = kv_block * HEADS_KV + col_kv
+    k_cols = kv_head * stride_kh + col_d  # [C]
+    v_cols = kv_head * stride_vh + col_d
     bt_row = block_tables_ptr + seq64 * stride_bt
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEADS_KV * BLOCK_D], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k_offs = phys[None, :] * stride_kb + in_block[None, :] * stride_ks + offs_d[:, None]
-        v_offs = phys[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
-        k = tl.load(k_base + k_offs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [D, N]
-        v = tl.load(v_base + v_offs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [N, D]
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
+        page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = offs_n % BLOCK_SIZE
+        k_offs = (page * stride_kb + in_page * stride_ks)[None, :] + k_cols[:, None]
+        v_offs = (page * stride_vb + in_page * stride_vs)[:, None] + v_cols[None, :]
+        k = tl.load(k_cache_ptr + k_offs, mask=col_mask[:, None] & n_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_offs, mask=n_mask[:, None] & col_mask[None, :], other=0.0)
+        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse_offs = seq64 * stride_lb + head * stride_lh + split
-    tl.store(mid_lse_ptr + lse_offs, lse, mask=g_mask)
-    mid_offs = seq64 * stride_mb + head * stride_mh + split * stride_ms
-    tl.store(mid_out_ptr + mid_offs[:, None] + offs_d[None, :], out,
-             mask=g_mask[:, None] & d_mask[None, :])
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # zeros where there are no keys
+    out_offs = seq64 * stride_ob + head[:, None] * stride_oh + col_d[None, :]
+    if PARTIAL:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + seq64 * stride_lb + head * stride_lh + split, lse, mask=row_mask)
+        tl.store(out_ptr + out_offs + split * stride_os, out, mask=own)
+    else:
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=own)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -126,11 +144,40 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters; `decode_config` picks them from shapes. Fields can be overridden."""
+
+    heads_kv: int  # kv heads per program
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def heads_per_program(num_kv_heads: int, head_dim: int) -> int:
+    """As many kv heads per program as fit in a 256-element row (a power of two dividing K)."""
+    n = 1
+    while num_kv_heads % (2 * n) == 0 and 2 * n * triton.next_power_of_2(head_dim) <= 256:
+        n *= 2
+    return n
+
+
+def decode_config(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+    """Tiles of ~16 KB each of K and V. Five stages let Triton double-buffer the tiles *and*
+    prefetch the block-table entries that address them (with fewer, the page lookup serialises
+    every tile behind a full memory round trip)."""
+    heads_kv = heads_per_program(num_kv_heads, head_dim)
+    row = heads_kv * triton.next_power_of_2(head_dim)  # elements per token per tile
+    tile_elems = 2048 if dtype == torch.float32 else 8192
+    block_n = min(128, max(16, tile_elems // row))
+    return DecodeConfig(heads_kv=heads_kv, block_n=block_n, num_warps=4, num_stages=5)
+
+
 def default_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, device: torch.device
+    batch: int, num_kv_heads: int, max_context: int, device: torch.device, heads_kv: int = 1
 ) -> int:
-    """Enough splits to give every SM a few programs, but no split shorter than 256 keys."""
-    programs = max(1, batch * num_kv_heads)
+    """Splits enough for ~4 programs per SM, but none shorter than 256 keys, and at most 16."""
+    programs = max(1, batch * (num_kv_heads // heads_kv))
     want = triton.cdiv(4 * _num_sms(device), programs)
     return max(1, min(want, triton.cdiv(max_context, 256), 16))
 
@@ -143,6 +190,7 @@ def decode_attention(
     block_tables: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, N, H], over its seq_lens[b] cached keys.
 
@@ -159,45 +207,58 @@ def decode_attention(
     out = torch.empty(q_BNH.shape, dtype=q_BNH.dtype, device=q_BNH.device)  # contiguous
     if batch == 0:
         return out
+    cfg = config or decode_config(num_kv_heads, head_dim, q_BNH.dtype)
+    assert num_kv_heads % cfg.heads_kv == 0, f"{cfg.heads_kv=} must divide {num_kv_heads=}"
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
-        num_splits = default_num_splits(batch, num_kv_heads, max_context, q_BNH.device)
+        num_splits = default_num_splits(
+            batch, num_kv_heads, max_context, q_BNH.device, cfg.heads_kv
+        )
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q_BNH.dtype == torch.float32
-    block_n = 32 if fp32 else 64
-
-    mid_out = torch.empty(batch, num_heads, num_splits, head_dim,
-                          dtype=torch.float32, device=q_BNH.device)
-    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_BNH.device)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    partial = num_splits > 1
+    if partial:
+        mid_out = torch.empty(batch, num_heads, num_splits, head_dim,
+                              dtype=torch.float32, device=q_BNH.device)
+        mid_lse = torch.empty(batch, num_heads, num_splits,
+                              dtype=torch.float32, device=q_BNH.device)
+        dst, dst_split_stride = mid_out, mid_out.stride(2)
+    else:
+        mid_lse = out  # unused
+        dst, dst_split_stride = out, 0
+    grid = (num_kv_heads // cfg.heads_kv, num_splits, batch)
+    _decode_kernel[grid](
         q_BNH, k_cache, v_cache, seq_lens, block_tables,
-        mid_out, mid_lse,
+        dst, mid_lse,
         scale * LOG2E, num_splits,
         q_BNH.stride(0), q_BNH.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+        dst.stride(0), dst.stride(1), dst_split_stride,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n,
+        HEADS_KV=cfg.heads_kv,
+        BLOCK_M=max(16, triton.next_power_of_2(group * cfg.heads_kv)),
+        BLOCK_N=cfg.block_n,
         BLOCK_D=block_d,
+        PARTIAL=partial,
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    _decode_merge_kernel[(batch, num_heads)](
-        mid_out, mid_lse, out, num_splits,
-        mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        BLOCK_D=block_d,
-        num_warps=4,
-    )
+    if partial:
+        _decode_merge_kernel[(batch, num_heads)](
+            mid_out, mid_lse, out, num_splits,
+            mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out

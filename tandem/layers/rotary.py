@@ -41,7 +41,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q and k shaped [T, N, H] at the given positions [T]."""
+    """Applies RoPE to q and k shaped [T, N, H] at the given positions [T].
+
+    On a GPU one Triton kernel rotates q and k in place (no autograd through it); elsewhere, or
+    when q or k needs a gradient, plain torch returns new tensors
+    (`tandem.kernels.rotary.apply_rotary_ref`). Both round alike.
+    """
 
     def __init__(self, hf_config, head_dim: int, max_position: int):
         super().__init__()
@@ -56,6 +61,10 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q_TNH: torch.Tensor, k_TNH: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if q_TNH.is_cuda and not (q_TNH.requires_grad or k_TNH.requires_grad):
+            from tandem.kernels.rotary import apply_rotary
+
+            return apply_rotary(positions, q_TNH, k_TNH, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].to(q_TNH.dtype)[:, None, :]
         sin = self.sin_cache[positions].to(q_TNH.dtype)[:, None, :]
         q = q_TNH * cos + rotate_half(q_TNH) * sin

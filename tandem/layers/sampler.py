@@ -1,7 +1,8 @@
 """Sampler: penalties, temperature, top-k/top-p/min-p and logprobs, all on the device.
 
-Sampling uses the exponential race (argmax of p / Exp(1)), which draws from p with no
-host synchronisation; rows with their own seed draw their noise from their own generator.
+Sampling uses the exponential race in log space (Gumbel-max: argmax of logits / T - log Exp(1)),
+which draws from softmax(logits / T) with no host synchronisation; rows with their own seed draw
+their noise from their own generator.
 """
 
 from __future__ import annotations
@@ -76,38 +77,89 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, want_ranks: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits)[token] as logit[token] - logsumexp, and (optionally) the token's rank
+    (1 = most likely), without materialising the [S, V] log-probabilities."""
+    picked = logits.gather(1, token_ids[:, None])  # [S, 1]
+    logprobs = (picked - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
+    ranks = (logits > picked).sum(dim=-1) + 1 if want_ranks else None
+    return logprobs, ranks
+
+
 class Sampler(nn.Module):
+    """Samples one token per row. On a GPU the common case (temperature only, no penalties, no
+    top-k logprobs) is one Triton pass over the logits (`tandem.kernels.sampling`); everything
+    else, and every CPU run, takes the torch path below."""
+
     def __init__(self, seed: int, device: torch.device):
         super().__init__()
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+        if logits.is_cuda and self.fused_supports(m):
+            return self._fused(logits, m)
+        return self._torch(logits, m)
+
+    @staticmethod
+    def fused_supports(m: SamplingMetadata) -> bool:
+        return (
+            m.top_k is None and m.top_p is None and m.min_p is None
+            and m.output_counts is None and m.max_num_logprobs <= 0
+        )
+
+    def _fused(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+        from tandem.kernels.sampling import sample
+
+        if m.min_tokens_mask is not None:  # in place: the logits are this step's scratch
+            logits[m.min_tokens_mask] = float("-inf")
+        greedy = seeds = None
+        if not m.all_greedy:
+            greedy = m.greedy
+            seeds = self._seeds(logits.shape[0], m, logits.device)
+        token_ids, logprobs, ranks = sample(
+            logits, m.temperature, greedy, seeds, m.processed_logprobs,
+            want_ranks=m.max_num_logprobs == 0,
+        )
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
+
+    def _seeds(self, num_rows: int, m: SamplingMetadata, device) -> torch.Tensor:
+        """One Philox key per row, from the sampler's generator or the row's own."""
+        seeds = torch.empty(num_rows, dtype=torch.int64, device=device)
+        seeds.random_(generator=self.generator)
+        for row, gen in m.generators.items():
+            seeds[row : row + 1].random_(generator=gen)
+        return seeds
+
+    def _torch(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         if m.min_tokens_mask is not None:
             logits[m.min_tokens_mask] = float("-inf")
         if m.output_counts is not None:
             logits = apply_penalties(logits, m)
         raw = logits
-        greedy_ids = logits.argmax(dim=-1)
         if m.all_greedy:
-            token_ids, processed = greedy_ids, logits
+            token_ids, processed = logits.argmax(dim=-1), logits
         else:
             processed = logits / m.temperature[:, None]
             if m.top_k is not None or m.top_p is not None:
                 processed = apply_top_k_top_p(processed, m.top_k, m.top_p)
             if m.min_p is not None:
                 processed = apply_min_p(processed, m.min_p)
-            probs = processed.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            # Gumbel-max: argmax(x / T - log E), E ~ Exp(1), draws from softmax(x / T).
+            noise = torch.empty_like(processed).exponential_(generator=self.generator)
             for row, gen in m.generators.items():
                 noise[row].exponential_(generator=gen)
-            sampled = (probs / noise).argmax(dim=-1)
-            token_ids = torch.where(m.greedy, greedy_ids, sampled)
-        logprobs_all = torch.log_softmax(processed if m.processed_logprobs else raw, dim=-1)
-        token_logprobs = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
-        out = SamplerOutput(token_ids=token_ids, logprobs=token_logprobs)
-        if m.max_num_logprobs >= 0:
-            out.ranks = (logprobs_all > token_logprobs[:, None]).sum(dim=-1) + 1
-            if m.max_num_logprobs > 0:
-                out.topk_logprobs, out.topk_ids = logprobs_all.topk(m.max_num_logprobs, dim=-1)
+            sampled = (processed - noise.log_()).argmax(dim=-1)
+            token_ids = torch.where(m.greedy, logits.argmax(dim=-1), sampled)
+        source = processed if m.processed_logprobs else raw
+        if m.max_num_logprobs <= 0:
+            logprobs, ranks = token_logprobs(source, token_ids, m.max_num_logprobs == 0)
+            return SamplerOutput(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
+        logprobs_all = torch.log_softmax(source, dim=-1)
+        token_lps = logprobs_all.gather(1, token_ids[:, None]).squeeze(1)
+        out = SamplerOutput(token_ids=token_ids, logprobs=token_lps)
+        out.ranks = (logprobs_all > token_lps[:, None]).sum(dim=-1) + 1
+        out.topk_logprobs, out.topk_ids = logprobs_all.topk(m.max_num_logprobs, dim=-1)
         return out

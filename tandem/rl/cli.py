@@ -14,7 +14,7 @@ from tandem.rl.config import GRPOConfig
 DEMO_OVERRIDES = dict(
     output_dir="runs/grpo-smollm2-arithmetic", num_generations=8, per_device_train_batch_size=16,
     gradient_accumulation_steps=1, max_completion_length=16, max_prompt_length=96, learning_rate=1e-5,
-    max_steps=12, temperature=1.0, beta=0.0, logging_steps=1, save_steps=16, report_to=["jsonl"],
+    max_steps=10, temperature=1.0, beta=0.0, logging_steps=1, save_steps=16, report_to=["jsonl"],
     gradient_checkpointing=False, lr_scheduler_type="constant",
 )
 _SKIP = {"chat_template_kwargs", "reward_weights", "report_to"}
@@ -32,11 +32,11 @@ def add_subcommands(sub) -> None:
     p.add_argument("--model", default=None, help="local HF model dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dataset", default="arithmetic",
                    help="'arithmetic' (built in) or a local JSONL/Parquet file with a 'prompt' column")
-    p.add_argument("--rewards", default="accuracy,number",
-                   help="comma list of: accuracy, number (the reply is just a number), format "
+    p.add_argument("--rewards", default="accuracy,short",
+                   help="comma list of: accuracy, short (a one-line reply ending in a number), format "
                    "(<think>/<answer> tags), length (soft overlong punishment)")
     p.add_argument("--num-train-prompts", type=int, default=2000, help="size of the built-in task")
-    p.add_argument("--eval-samples", type=int, default=100, help="held-out prompts scored before and after")
+    p.add_argument("--eval-samples", type=int, default=32, help="held-out prompts scored before and after")
     p.add_argument("--report-to", default=None, help="comma list: jsonl, tensorboard, none")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output-dir")
     hints = typing.get_type_hints(GRPOConfig)
@@ -59,7 +59,7 @@ def _reward_funcs(names: str, max_completion_length: int):
     table = {
         "accuracy": lambda: rewards.accuracy_reward,
         "format": lambda: rewards.make_format_reward(),
-        "number": lambda: rewards.make_format_reward(r"-?\d+(?:\.\d+)?", 0),
+        "short": lambda: rewards.short_answer_reward,
         "length": lambda: rewards.get_soft_overlong_punishment(max_completion_length, max_completion_length // 4),
     }
     funcs = []

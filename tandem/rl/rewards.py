@@ -154,6 +154,16 @@ def make_format_reward(pattern: str = THINK_ANSWER_PATTERN, flags: int = re.DOTA
 format_reward = make_format_reward()
 
 
+def short_answer_reward(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """1.0 for a one-line reply of at most 32 characters that ends in a number ("29 - 4 = 25")."""
+    out = []
+    for c in completions:
+        text = completion_text(c).strip()
+        ok = "\n" not in text and len(text) <= 32 and re.search(r"-?\d+\.?$", text) is not None
+        out.append(1.0 if ok else 0.0)
+    return out
+
+
 # ---- length -----------------------------------------------------------------------------------
 
 

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from tandem.kernels.attention_ref import paged_attention_ref
-from tandem.kernels.decode_attention import decode_attention, default_num_splits
+from tandem.kernels.decode_attention import (
+    DecodeConfig,
+    decode_attention,
+    decode_config,
+    default_num_splits,
+    heads_per_program,
+)
 
 
 def make_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, device, paged_kv,
@@ -64,15 +70,51 @@ def test_decode_more_splits_than_keys(device, paged_kv, close):
     close(out, reference(q, k_cache, v_cache, seq_lens, block_tables, 0.125))
 
 
-def test_decode_empty_sequence_gives_zeros(device, paged_kv):
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_empty_sequence_gives_zeros(num_kv_heads, num_splits, device, paged_kv):
     """A padding row (seq_len 0, as in a padded CUDA-graph batch) is finite: zeros."""
     q, k_cache, v_cache, _, block_tables = make_case(
-        [5, 0], 1, 2, 64, 16, torch.float32, device, paged_kv
+        [5, 0], num_kv_heads, 2, 64, 16, torch.float32, device, paged_kv
     )
     seq_lens_t = torch.tensor([5, 0], dtype=torch.int32, device=device)
-    out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 0.125, num_splits=2)
+    out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 0.125, num_splits)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.isfinite(out[0]).all()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [DecodeConfig(1, 16, 4, 2), DecodeConfig(2, 16, 4, 5), DecodeConfig(2, 32, 8, 3)],
+)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_launch_configs_agree(config, num_splits, device, paged_kv, close):
+    """One kv head per program or two stacked block-diagonally: the same attention."""
+    seq_lens = [1, 16, 17, 50]
+    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
+        seq_lens, 2, 6, 128, 16, torch.float32, device, paged_kv
+    )
+    out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 0.09, num_splits, config)
+    close(out, reference(q, k_cache, v_cache, seq_lens, block_tables, 0.09))
+
+
+def test_decode_head_dim_not_a_power_of_two(device, paged_kv, close):
+    seq_lens = [9, 40]
+    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
+        seq_lens, 2, 3, 80, 16, torch.float16, device, paged_kv
+    )
+    for num_splits in (1, 2):
+        out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 80**-0.5, num_splits)
+        close(out, reference(q, k_cache, v_cache, seq_lens, block_tables, 80**-0.5))
+
+
+def test_heads_per_program_fills_a_256_wide_row():
+    assert heads_per_program(2, 128) == 2  # Qwen2.5-1.5B: both kv heads in one program
+    assert heads_per_program(4, 128) == 2  # Qwen2.5-7B
+    assert heads_per_program(8, 64) == 4
+    assert heads_per_program(3, 64) == 1  # must divide the kv heads
+    assert heads_per_program(1, 256) == 1
+    assert decode_config(2, 128, torch.bfloat16) == DecodeConfig(2, 32, 4, 5)
 
 
 def test_default_num_splits_depends_on_shapes_only():

@@ -1,0 +1,121 @@
+"""Triton rotary embedding (neox / HF `rotate_half` style), in place on q and k, with its reference.
+
+Rounded as `tandem.layers.rotary` computes it in torch: cos/sin are cast from the fp32 cache to
+the activation dtype, and `q * cos`, `rotate_half(q) * sin` and their sum are each rounded to that
+dtype. One program per token rotates all its query and key heads, so a decode step of the whole
+batch is one launch with no host synchronisation (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_ref(
+    positions: torch.Tensor,
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New rotated (q, k), as HF's `apply_rotary_pos_emb`; cos/sin caches are [max_pos, H] fp32."""
+    cos = cos_cache[positions].to(q_TNH.dtype)[:, None, :]
+    sin = sin_cache[positions].to(q_TNH.dtype)[:, None, :]
+    q = q_TNH * cos + rotate_half(q_TNH) * sin
+    k = k_TKH * cos + rotate_half(k_TKH) * sin
+    return q, k
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, c1, c2, s1, s2, NUM_HEADS, HALF: tl.constexpr,
+                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotates [NUM_HEADS, 2*HALF] at x_ptr in place; c1/s1 for the first half, c2/s2 the second."""
+    offs_h = tl.arange(0, BLOCK_HEADS)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HALF)
+    ptr1 = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    ptr2 = ptr1 + HALF
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr2, mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # Each product and the sum rounded to the activation dtype, as three torch ops would.
+    o1 = (x1f * c1).to(dtype).to(tl.float32) + (-x2f * s1).to(dtype).to(tl.float32)
+    o2 = (x2f * c2).to(dtype).to(tl.float32) + (x1f * s2).to(dtype).to(tl.float32)
+    tl.store(ptr1, o1.to(dtype), mask=mask)
+    tl.store(ptr2, o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def _cache_half(ptr, mask, dtype: tl.constexpr):
+    return tl.load(ptr, mask=mask, other=0.0).to(dtype).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    NUM_Q_HEADS, NUM_K_HEADS,
+    HALF: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_K_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    d_mask = offs_d < HALF
+    cache_row = pos * stride_cache + offs_d
+    dtype = q_ptr.dtype.element_ty
+    # cos/sin rounded to the activation dtype first, as `.to(q.dtype)` does.
+    c1 = _cache_half(cos_ptr + cache_row, d_mask, dtype)
+    c2 = _cache_half(cos_ptr + cache_row + HALF, d_mask, dtype)
+    s1 = _cache_half(sin_ptr + cache_row, d_mask, dtype)
+    s2 = _cache_half(sin_ptr + cache_row + HALF, d_mask, dtype)
+    _rotate_heads(q_ptr + tok * stride_qt, stride_qh, c1, c2, s1, s2, NUM_Q_HEADS,
+                  HALF, BLOCK_Q_HEADS, BLOCK_HALF)
+    _rotate_heads(k_ptr + tok * stride_kt, stride_kh, c1, c2, s1, s2, NUM_K_HEADS,
+                  HALF, BLOCK_K_HEADS, BLOCK_HALF)
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, N, H] and k [T, K, H] in place (views are fine) and returns them.
+
+    positions [T] index the fp32 caches [max_pos, H]; the last dim of q and k must be contiguous.
+    """
+    T, num_q_heads, head_dim = q_TNH.shape
+    assert k_TKH.shape[0] == T and k_TKH.shape[2] == head_dim, f"{q_TNH.shape=} {k_TKH.shape=}"
+    assert head_dim % 2 == 0, f"head_dim ({head_dim}) must be even"
+    assert q_TNH.dtype == k_TKH.dtype, f"{q_TNH.dtype=} != {k_TKH.dtype=}"
+    assert q_TNH.stride(-1) == 1 and k_TKH.stride(-1) == 1, "q and k need a contiguous last dim"
+    assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == head_dim
+    assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
+    if T == 0:
+        return q_TNH, k_TKH
+    half = head_dim // 2
+    _rotary_kernel[(T,)](
+        q_TNH, k_TKH, positions, cos_cache, sin_cache,
+        q_TNH.stride(0), q_TNH.stride(1), k_TKH.stride(0), k_TKH.stride(1), cos_cache.stride(0),
+        num_q_heads, k_TKH.shape[1],
+        HALF=half,
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
+        BLOCK_K_HEADS=triton.next_power_of_2(k_TKH.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        num_warps=4,
+        enable_fp_fusion=False,  # no multiply-add contraction: fp32 rounds as torch does too
+    )
+    return q_TNH, k_TKH

@@ -1,0 +1,61 @@
+"""profile_decode: per-step figures from profiler events, and a CPU run end to end."""
+
+import json
+
+import pytest
+import torch
+from model_fixtures import make_tiny_model
+
+from tandem import LLM
+from tandem.bench.profile_step import STEP, Event, category, profile_decode, summarize
+
+
+def test_summarize_hand_computed():
+    events = [
+        Event(STEP, "cpu", 0, 1000), Event(STEP, "cpu", 1000, 1400),
+        Event("cudaStreamSynchronize", "cpu", 700, 250),
+        Event("cudaStreamSynchronize", "cpu", 2000, 150),
+        Event("cudaGraphLaunch", "cpu", 10, 20),
+        Event("_decode_kernel", "kernel", 100, 300), Event("_decode_kernel", "kernel", 1100, 300),
+        Event("nvjet_hsh_128x256_gemm", "kernel", 400, 500),
+        Event("nvjet_hsh_128x256_gemm", "kernel", 1400, 500),
+        Event("_sample_chunk_kernel", "kernel", 950, 200),
+        Event("Memcpy DtoH (Device -> Pinned)", "kernel", 1990, 200),
+    ]
+    r = summarize(events, num_steps=2)
+    assert r["step_ms"] == pytest.approx(1.2)  # (1000 + 1400) us / 2 steps
+    assert r["host_wait_ms"] == pytest.approx(0.2)
+    assert r["host_busy_ms"] == pytest.approx(1.0)
+    assert r["gpu_busy_ms"] == pytest.approx(1.0)  # 2000 us of kernels over 2 steps
+    assert r["kernels_per_step"] == 3
+    top = r["top_kernels"][0]
+    assert top["name"] == "nvjet_hsh_128x256_gemm" and top["share"] == pytest.approx(0.5)
+    assert top["calls_per_step"] == 1
+    assert r["categories"]["attention"]["share"] == pytest.approx(0.3)
+    assert r["categories"]["sampling"]["ms_per_step"] == pytest.approx(0.1)
+    assert r["categories"]["copy/fill"]["ms_per_step"] == pytest.approx(0.1)
+
+
+def test_categories():
+    assert category("_rotary_kernel") == "norm/act/rope"
+    assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert category("_decode_merge_kernel") == "attention"
+    assert category("void at::native::vectorized_elementwise_kernel<4>") == "other"
+
+
+def test_profile_decode_end_to_end(tmp_path, capsys):
+    """On a CPU only host ops are reported; on a GPU, kernels."""
+    llm = LLM(make_tiny_model("llama"), block_size=4, max_num_seqs=8)
+    trace = tmp_path / "trace.json"
+    r = profile_decode(llm, num_steps=3, trace_path=str(trace), prompt_len=10)
+    assert r["batch"] == 8 and r["num_steps"] == 3
+    assert r["wall_ms"] > 0 and r["step_ms"] > 0
+    if torch.cuda.is_available():
+        assert r["gpu_busy_ms"] > 0 and r["top_kernels"]
+        assert sum(c["share"] for c in r["categories"].values()) == pytest.approx(1.0)
+    else:
+        assert r["top_cpu_ops"] and "gpu_busy_ms" not in r
+    assert json.loads(trace.read_text())  # a chrome trace
+    assert "decode profile" in capsys.readouterr().out
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_blocks
