@@ -249,8 +249,9 @@ class LLMEngine(ColocationMixin):
         return [out for st in touched.values() if (out := self._make_output(st)) is not None]
 
     def _postprocess(self, sched, sampled: SamplerOutput, touched: dict[str, RequestState]) -> None:
-        token_ids = sampled.token_ids.tolist()
-        logprobs = sampled.logprobs.tolist()
+        # one device->host copy for both (float64 holds every token id exactly)
+        token_ids, logprobs = torch.stack([sampled.token_ids.double(), sampled.logprobs.double()]).tolist()
+        token_ids = [int(t) for t in token_ids]
         topk_ids = sampled.topk_ids.tolist() if sampled.topk_ids is not None else None
         topk_lps = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
         ranks = sampled.ranks.tolist() if sampled.ranks is not None else None

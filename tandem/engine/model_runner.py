@@ -26,6 +26,8 @@ class ModelRunner:
         self.graph_runner = None  # CUDAGraphRunner once captured
         self.graph_bytes = 0
         self.kv_store = None
+        self._sampling_key: tuple | None = None
+        self._sampling_meta: SamplingMetadata | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
@@ -134,6 +136,17 @@ class ModelRunner:
         return dev[o[0] : o[1]], dev[o[1] : o[2]], meta, sample_rows
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """Per-row sampling tensors; reused while the batch keeps the same sequences (steady decode)
+        unless a row has state that changes every step (penalty counts, min_tokens)."""
+        key = tuple(s.seq_id for s in seqs)
+        if key == self._sampling_key and self._sampling_meta is not None:
+            return self._sampling_meta
+        m = self._build_sampling(seqs)
+        stateful = m.output_counts is not None or m.min_tokens_mask is not None
+        self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
+        return m
+
+    def _build_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         params = [s.sampling_params for s in seqs]
         greedy = [p.greedy for p in params]
         dev = self.device

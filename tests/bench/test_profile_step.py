@@ -45,12 +45,14 @@ def test_categories():
 
 def test_profile_decode_end_to_end(tmp_path, capsys):
     """On a CPU only host ops are reported; on a GPU, kernels."""
-    llm = LLM(make_tiny_model("llama"), block_size=4, max_num_seqs=8)
+    on_gpu = torch.cuda.is_available()
+    model = make_tiny_model("llama").to("cuda" if on_gpu else "cpu")
+    llm = LLM(model, block_size=4, max_num_seqs=8, gpu_memory_utilization=0.1)
     trace = tmp_path / "trace.json"
     r = profile_decode(llm, num_steps=3, trace_path=str(trace), prompt_len=10)
     assert r["batch"] == 8 and r["num_steps"] == 3
     assert r["wall_ms"] > 0 and r["step_ms"] > 0
-    if torch.cuda.is_available():
+    if on_gpu:
         assert r["gpu_busy_ms"] > 0 and r["top_kernels"]
         assert sum(c["share"] for c in r["categories"].values()) == pytest.approx(1.0)
     else:

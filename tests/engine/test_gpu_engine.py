@@ -41,26 +41,27 @@ def test_gpu_greedy_equals_torch_reference_fp32(arch):
 
 @pytest.mark.gpu
 def test_gpu_bf16_agrees_with_hf_bf16():
-    """bf16 kernels differ from HF's in rounding only: HF, fed the engine's own tokens, picks the
-    same greedy token at >= 95% of positions, and free-running outputs start out identical."""
-    from test_correctness import hf_greedy
-
+    """bf16 kernels differ from HF's in rounding only. HF, fed the engine's own greedy tokens, rates
+    each one within 0.1 nats of its own best at >= 95% of positions (vLLM's check_logprobs_close
+    idea: a mismatch is fine where the two were near a tie); a wrong kernel fails by far."""
     model = make_tiny_model("llama", vocab_size=512, hidden_size=256, intermediate_size=512,
                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
     model = model.to(device="cuda", dtype=torch.bfloat16)
     llm = LLM(model, gpu_memory_utilization=0.2)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    agree = total = prefix = 0
+    close = exact = total = 0
     for out, prompt in zip(llm.generate(PROMPTS, params, use_tqdm=False), PROMPTS):
-        got = out.outputs[0].token_ids
+        got = torch.tensor(out.outputs[0].token_ids, device="cuda")
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + got], device="cuda")).logits[0, len(prompt) - 1 : -1]
-        agree += (logits.argmax(-1).cpu() == torch.tensor(got)).sum().item()
-        total += len(got)
-        ref = hf_greedy(model, prompt, 32)
-        prefix += next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), 32)
-    assert agree / total >= 0.95, f"teacher-forced greedy agreement {agree}/{total}"
-    print(f"bf16: teacher-forced agreement {agree}/{total}, free-running common prefix {prefix}/{total}")
+            ids = torch.tensor([prompt + got.tolist()], device="cuda")
+            lp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+        best = lp.max(-1).values
+        ours = lp.gather(1, got[:, None])[:, 0]
+        close += (best - ours <= 0.1).sum().item()
+        exact += (lp.argmax(-1) == got).sum().item()
+        total += got.numel()
+    print(f"bf16 vs HF: {exact}/{total} greedy tokens identical, {close}/{total} within 0.1 nats")
+    assert close / total >= 0.95, f"{close}/{total}"
 
 
 @pytest.mark.gpu

@@ -105,8 +105,9 @@ def test_engine_with_the_fused_path(monkeypatch):
         return self._fused(logits, m) if self.fused_supports(m) else self._torch(logits, m)
 
     monkeypatch.setattr(Sampler, "forward", forward)
-    model = make_tiny_model("llama")
-    llm = LLM(model, block_size=4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton natively, or interpreted
+    model = make_tiny_model("llama").to(device)
+    llm = LLM(model, block_size=4, gpu_memory_utilization=0.1)
     prompts = [[5, 17, 33, 8], [12, 3, 9, 9, 100], list(range(40, 60))]
     p = SamplingParams(temperature=1.0, max_tokens=6, seed=7, n=2, ignore_eos=True, logprobs=0)
     a = llm.generate(prompts, p, use_tqdm=False)
@@ -117,9 +118,9 @@ def test_engine_with_the_fused_path(monkeypatch):
     alone = llm.generate([prompts[0]], p, use_tqdm=False)[0]
     assert [c.token_ids for c in alone.outputs] == tokens[0]
     c = a[2].outputs[0]
-    full = torch.tensor([prompts[2] + c.token_ids])
+    full = torch.tensor([prompts[2] + c.token_ids], device=device)
     with torch.no_grad():
-        logits = model(full).logits[0].float()
+        logits = model(full).logits[0].float().cpu()
     ref = torch.log_softmax(logits, -1)[len(prompts[2]) - 1 : -1]
     ref = ref.gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
     got = torch.tensor([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
