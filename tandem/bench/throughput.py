@@ -168,6 +168,8 @@ def run_tandem(
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    eng = llm.llm_engine
+    eng.step_stats = {k: [0, 0.0] for k in eng.step_stats}
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=cfg.progress)
     if dev.type == "cuda":
@@ -177,12 +179,15 @@ def run_tandem(
     assert produced == sum(out_lens), "ignore_eos requests must produce exactly max_tokens"
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
     fig = _figures("tandem", elapsed, prompts, produced, peak)
+    fig["step_stats"] = {k: {"steps": n, "seconds": sec, "ms_per_step": 1e3 * sec / max(1, n)}
+                         for k, (n, sec) in eng.step_stats.items()}
+    print("tandem steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f} ms"
+                                       for k, v in fig["step_stats"].items()))
     if cfg.profile:
         from tandem.bench.profile_step import profile_decode
 
         fig["profile"] = profile_decode(llm, num_steps=20, batch=min(len(prompts), cfg.max_num_seqs),
                                         prompt_len=max(map(len, prompts)))
-    eng = llm.llm_engine
     fig.update(
         kv_cache_blocks=eng.num_blocks,
         preemptions=eng.scheduler.num_preemptions,

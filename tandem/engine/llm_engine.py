@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,7 @@ class LLMEngine(ColocationMixin):
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
+        self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
 
     # -- setup ---------------------------------------------------------------------------------------
     def _use_cumem(self) -> bool:
@@ -233,6 +235,7 @@ class LLMEngine(ColocationMixin):
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -246,7 +249,11 @@ class LLMEngine(ColocationMixin):
         touched: dict[str, RequestState] = {}
         if sampled is not None:
             self._postprocess(sched, sampled, touched)
-        return [out for st in touched.values() if (out := self._make_output(st)) is not None]
+        outputs = [out for st in touched.values() if (out := self._make_output(st)) is not None]
+        stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
+        stats[0] += 1
+        stats[1] += time.perf_counter() - t0
+        return outputs
 
     def _postprocess(self, sched, sampled: SamplerOutput, touched: dict[str, RequestState]) -> None:
         # one device->host copy for both (float64 holds every token id exactly)
