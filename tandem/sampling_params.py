@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -51,9 +52,13 @@ class SamplingParams:
     def _verify(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.seed is not None and not 0 <= self.seed < 2**63 - 2**16:
+            raise ValueError(f"seed must be in [0, 2**63 - 2**16), got {self.seed}")
+        if self.top_k > 2**31:
+            raise ValueError(f"top_k must be at most 2**31 (0 or -1 disable it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")

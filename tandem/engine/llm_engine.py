@@ -177,6 +177,9 @@ class LLMEngine(ColocationMixin):
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids: ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
         if not isinstance(params, SamplingParams):
@@ -293,6 +296,8 @@ class LLMEngine(ColocationMixin):
                     end = idx + len(stop_str) if seq.sampling_params.include_stop_str_in_output else idx
                     det.text = det.text[:end]
                     stop = ("stop", stop_str)
+            elif stop is not None:
+                det.flush()
             seq.output_text = det.text
         if stop is not None:
             self.scheduler.finish(seq, stop[0], stop[1])
@@ -306,6 +311,9 @@ class LLMEngine(ColocationMixin):
             i = seq.index
             start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
             text = seq.output_text if state.detokenizers is not None else self._decode_final(seq)
+            if not seq.is_finished and seq.sampling_params.stop_strings:
+                # hold back what could still become the start of a stop string
+                text = text[: max(0, len(text) - max(map(len, seq.sampling_params.stop_strings)) + 1)]
             start_chr = state.sent_chars[i] if state.output_kind == "delta" else 0
             outputs.append(
                 CompletionOutput(
@@ -329,6 +337,9 @@ class LLMEngine(ColocationMixin):
             outputs=outputs,
             finished=finished,
             num_cached_tokens=state.seqs[0].num_cached_tokens,
+            metrics={"arrival_time": state.seqs[0].arrival_time,
+                     "first_token_time": min((s.first_token_time for s in state.seqs if s.first_token_time),
+                                             default=None)},
         )
 
     def _decode_final(self, seq: Sequence) -> str:

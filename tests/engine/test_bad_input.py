@@ -87,3 +87,10 @@ def test_chat_without_template(tmp_path):
     llm = LLM(make_tiny_model("llama"), tokenizer=tok)
     with pytest.raises(ValueError, match="chat template"):
         llm.chat([{"role": "user", "content": "hi"}])
+
+
+def test_out_of_vocabulary_stop_token_is_refused(llm):
+    params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**6])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert_no_leak(llm)

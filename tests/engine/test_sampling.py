@@ -105,3 +105,26 @@ def test_stop_strings(tiny_llama_dir):
                        use_tqdm=False)[0].outputs[0]
     assert out.text.endswith(stop)
     assert_no_leak(llm)
+
+
+def test_streamed_deltas_equal_final_text_and_hold_back_stop_strings(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    full = llm.generate(["The capital of"], greedy, use_tqdm=False)[0].outputs[0].text
+    for params in (greedy, greedy.clone(stop=[full[6:9]])):
+        final = llm.generate(["The capital of"], params, use_tqdm=False)[0].outputs[0].text
+        engine.add_request("s", "The capital of", params, output_kind="delta")
+        pieces = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                pieces.append(out.outputs[0].text)
+        assert "".join(pieces) == final
+    assert_no_leak(llm)
+
+
+def test_bad_values_are_refused():
+    for kwargs in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"seed": 2**64},
+                   {"top_k": 2**40}):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)

@@ -126,11 +126,6 @@ def test_stop_string_and_echo(server, offline):
     assert (c["finish_reason"], c["stop_reason"], c["text"]) == ("stop", stop, want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: delta outputs stream text that a stop string "
-    "completed later; they must hold back len(longest stop) - 1 characters",
-)
 def test_stop_string_streamed(server, offline):
     body, stop, want = _stop_body(offline)
     events = server.stream("/v1/completions", body)
