@@ -8,9 +8,7 @@ for each sleep backend (cumem: stable addresses; recapture: reallocate and captu
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -101,19 +99,21 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
         "cudagraph_capture_s": llm.llm_engine.cudagraph_capture_s,
         "samples": {"freed_share": freed_share, "wake_plus_update_s": wake_update, "sleep1_plus_wake_s": sleep1_wake},
     }
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    llm.llm_engine.model_runner.graph_runner = None  # let the caller's gc free the engine now
     return result
 
 
 def run(cfg: ColocationConfig) -> dict:
-    from tandem.bench.report import json_line, make_report
+    from tandem.bench.report import finish, make_report
 
     if not torch.cuda.is_available():
         raise ValueError("bench colocation measures device memory: it needs a CUDA GPU")
     model = _trainer_model(cfg)
-    results = {b: measure(model, b, cfg) for b in cfg.backends.split(",") if b}
+    results = {}
+    for backend in [b for b in cfg.backends.split(",") if b]:
+        results[backend] = measure(model, backend, cfg)
+        gc.collect()
+        torch.cuda.empty_cache()
     print(f"{'backend':<10} {'sleep(2) frees':>15} {'wake+update s':>14} {'sleep(1)+wake s':>16} {'same tokens':>12}")
     for r in results.values():
         print(f"{r['backend']:<10} {100 * r['sleep2_freed_share_median']:>14.1f}% "
@@ -122,10 +122,7 @@ def run(cfg: ColocationConfig) -> dict:
         print(f"{'':<10} wake: weights {r['wake_weights_s_median']:.3f}s, kv cache "
               f"{r['wake_kv_cache_s_median']:.3f}s; update_weights_from_model {r['update_s_median']:.3f}s")
     report = make_report("colocation", asdict(cfg), results)
-    if cfg.output:
-        with open(cfg.output, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    print(json_line(report))
+    finish(report, cfg.output)
     return report
 
 

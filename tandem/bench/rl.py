@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
@@ -146,7 +145,7 @@ def _summary(steps: list[dict], cfg: RLBenchConfig) -> dict:
 
 
 def run(cfg: RLBenchConfig) -> dict:
-    from tandem.bench.report import json_line, make_report
+    from tandem.bench.report import finish, make_report
 
     if not torch.cuda.is_available():
         raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU")
@@ -168,10 +167,7 @@ def run(cfg: RLBenchConfig) -> dict:
     if "breakdown_s" in results.get("tandem", {}):
         print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results["tandem"]["breakdown_s"].items()))
     report = make_report("rl", asdict(cfg), results)
-    if cfg.output:
-        with open(cfg.output, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    print(json_line(report))
+    finish(report, cfg.output)
     return report
 
 

@@ -212,7 +212,7 @@ def _figures(name, elapsed, prompts, out_tokens, peak) -> dict:
 
 
 def run(cfg: ThroughputConfig) -> dict:
-    from tandem.bench.report import json_line, make_report
+    from tandem.bench.report import finish, make_report
 
     if cfg.workload:
         if cfg.workload not in WORKLOADS:
@@ -266,10 +266,7 @@ def run(cfg: ThroughputConfig) -> dict:
         )
     report = make_report("throughput", asdict(cfg), results, gpu)
     _print_table(results)
-    if cfg.output:
-        with open(cfg.output, "w") as f:
-            json.dump(report, f, indent=2, default=str)
-    print(json_line(report))
+    finish(report, cfg.output)
     return report
 
 
