@@ -28,15 +28,17 @@ class Rollout:
 
 
 def generate_rollout(llm, batch: PromptBatch, num_generations: int, params: SamplingParams,
-                     seed: int | None = None) -> Rollout:
+                     seed: int | None = None, prompt_offset: int = 0) -> Rollout:
     """G samples per prompt from the engine; they share the prompt's KV blocks (prefix caching).
 
     With `seed`, prompt i samples with seed + i * num_generations (its G samples take the next
-    ones), so a resumed run draws exactly what an uninterrupted one would.
+    ones), so a resumed run draws exactly what an uninterrupted one would. `prompt_offset` is the
+    global index of batch.prompt_ids[0] when a data-parallel rank holds a slice of the batch, so
+    each prompt samples as it would in the single-process run.
     """
     per_prompt = [
         params.clone(n=num_generations, logprobs=0,
-                     seed=None if seed is None else seed + i * num_generations)
+                     seed=None if seed is None else seed + (prompt_offset + i) * num_generations)
         for i in range(len(batch.prompt_ids))
     ]
     outs = llm.generate([{"prompt_token_ids": ids} for ids in batch.prompt_ids], per_prompt, use_tqdm=False)

@@ -11,12 +11,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
 from tandem.rl import checkpoint as ckpt
 from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
+from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.logging import MetricsLogger
 from tandem.rl.loss import completion_logps, group_advantages, grpo_loss, loss_kwargs_from_config, reward_metrics
 from tandem.rl.rewards import RewardComputer, wrap_completions
@@ -43,6 +45,9 @@ class GRPOTrainer:
             raise ValueError("train_dataset is required (tandem.rl.data.arithmetic_dataset gives a built-in one)")
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model, self.tokenizer = self._load_model(model, processing_class)
+        # Data parallel under torchrun: each rank trains a replica on its slice of every batch.
+        self.dist = DistributedContext.from_environment()
+        self.dist.broadcast_params(self.model)
         self.train_dataset = load_prompt_dataset(train_dataset)
         self.eval_dataset = load_prompt_dataset(eval_dataset) if eval_dataset is not None else None
         self.rewards = RewardComputer(reward_funcs, args.reward_weights)
@@ -59,7 +64,8 @@ class GRPOTrainer:
             self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay,
         )
-        self.sampler = RepeatSampler(len(self.train_dataset), batch_size=args.prompts_per_generation,
+        self.sampler = RepeatSampler(len(self.train_dataset),
+                                     batch_size=args.prompts_per_generation * self.dist.world_size,
                                      shuffle=args.shuffle_dataset, seed=args.seed)
         self.max_steps = self._total_steps()
         from transformers import get_scheduler
@@ -134,7 +140,7 @@ class GRPOTrainer:
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
         a = self.args
         resume_step = self._resume(resume_from_checkpoint)
-        self.logger = MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step)
+        self.logger = MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step) if self.dist.is_main else None
         last = {}
         try:
             while self.global_step < self.max_steps:
@@ -142,7 +148,8 @@ class GRPOTrainer:
                 if a.save_steps and self.global_step % a.save_steps == 0:
                     self.save_checkpoint()
         finally:
-            self.logger.close()
+            if self.logger is not None:
+                self.logger.close()
         return last
 
     def step(self) -> dict:
@@ -153,18 +160,22 @@ class GRPOTrainer:
         self.weight_sync.sync()  # wakes the engine and copies the trainer's weights in place
         times["time/weight_sync"] = time.perf_counter() - t
         t = time.perf_counter()
-        batch = build_prompt_batch(self.train_dataset, self.sampler.next_batch(), self.tokenizer,
+        indices = self.dist.shard(self.sampler.next_batch())  # this rank's prompts of the global batch
+        batch = build_prompt_batch(self.train_dataset, indices, self.tokenizer,
                                    a.max_prompt_length, a.chat_template_kwargs)
         seed = (a.seed * 1_000_003 + self.global_step * 65_537) % (1 << 31)
-        rollout = generate_rollout(self.llm, batch, a.num_generations, self.sampling_params, seed)
+        offset = self.dist.shard_offset(len(indices))
+        rollout = generate_rollout(self.llm, batch, a.num_generations, self.sampling_params, seed, offset)
         if a.vllm_enable_sleep_mode:
             self.llm.sleep(a.engine_sleep_level)
         times["time/generate"] = time.perf_counter() - t
         t = time.perf_counter()
         prompts = batch.repeated_prompts(a.num_generations)
-        result = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
-                              **batch.reward_columns(a.num_generations))
-        advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)
+        local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
+                             **batch.reward_columns(a.num_generations))
+        result = gather_rewards(self.dist, local)  # the global batch's ("batch" scaling needs all)
+        rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
+        advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
         times["time/reward"] = time.perf_counter() - t
         t = time.perf_counter()
         train_metrics = self._train_on(rollout, advantages.to(self.device))
@@ -177,7 +188,7 @@ class GRPOTrainer:
             self.logger.log(self.global_step, metrics)
             if a.log_completions:
                 self.logger.log_completions(self.global_step, [self.tokenizer.decode(p) for p in rollout.prompt_ids],
-                                            rollout.texts, result.rewards.tolist(), advantages.tolist(),
+                                            rollout.texts, local.rewards.tolist(), advantages.tolist(),
                                             a.num_completions_to_print)
         return metrics
 
@@ -196,7 +207,10 @@ class GRPOTrainer:
         for _ in range(a.num_iterations):
             for g in range(0, len(micro), ga):
                 group = micro[g : g + ga]
-                tokens = sum(data["completion_mask"][s].sum() for s in group)
+                # dapo divides by the tokens of the whole step, all ranks'; the other loss types
+                # average over all ranks' micro-batches: the gradient all-reduce is then a SUM.
+                tokens = self.dist.all_reduce_sum(sum(data["completion_mask"][s].sum() for s in group))
+                num_micro = len(group) * self.dist.world_size
                 for s in group:
                     logp = self._logps(self.model, data, rows=s)
                     loss, m = grpo_loss(
@@ -204,13 +218,14 @@ class GRPOTrainer:
                         data["completion_mask"][s], engine_logp=data["engine_logp"][s]
                         if a.vllm_importance_sampling_correction else None,
                         ref_logp=None if ref_logp is None else ref_logp[s],
-                        num_items_in_batch=tokens, num_micro_batches=len(group), **self.loss_kwargs,
+                        num_items_in_batch=tokens, num_micro_batches=num_micro, **self.loss_kwargs,
                     )
                     loss.backward()
-                    m["loss"] = loss.detach() * len(group)
+                    m["loss"] = loss.detach() * num_micro
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
                     count += 1
+                self.dist.all_reduce_grads(self.model)
                 if a.max_grad_norm:
                     sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(
                         torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)) * len(group)
@@ -219,6 +234,8 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
                 self.weight_sync.mark_stale()
+        sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
+        count = sums.pop("_count")
         return {k: v / max(1, count) for k, v in sums.items()}
 
     def _logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
@@ -229,12 +246,13 @@ class GRPOTrainer:
                                     micro_batch_size=self.args.per_device_train_batch_size)
 
     def _rollout_metrics(self, r: Rollout) -> dict:
-        lens = torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32)
+        lens = self.dist.all_gather(torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32))
+        truncated = self.dist.all_gather(torch.tensor(r.truncated, dtype=torch.float32))
         return {
             "completions/mean_length": lens.mean().item(), "completions/min_length": lens.min().item(),
             "completions/max_length": lens.max().item(),
-            "completions/clipped_ratio": sum(r.truncated) / max(1, len(r.truncated)),
-            "completions/num_tokens": float(r.num_completion_tokens),
+            "completions/clipped_ratio": truncated.sum().item() / max(1, len(truncated)),
+            "completions/num_tokens": lens.sum().item(),
         }
 
     @torch.no_grad()
@@ -259,11 +277,17 @@ class GRPOTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self):
+        """Rank 0 writes (the replicas and their optimizer states are identical); all ranks return
+        its path once it is complete."""
         state = {"sampler": self.sampler.state_dict(), "config": self.args.to_dict(),
-                 "weights_version": self.llm.llm_engine.weights_version}
-        return ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
-                                    optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
-                                    save_total_limit=self.args.save_total_limit)
+                 "weights_version": self.llm.llm_engine.weights_version, "world_size": self.dist.world_size}
+        path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
+        if self.dist.is_main:
+            path = ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
+                                        optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
+                                        save_total_limit=self.args.save_total_limit)
+        self.dist.barrier()
+        return path
 
     def _resume(self, resume_from_checkpoint) -> int | None:
         if not resume_from_checkpoint:

@@ -1,4 +1,5 @@
-"""Admin endpoints for the RL server mode: sleep, wake, weight update (vLLM's paths).
+"""Admin endpoints for the RL server mode: sleep, wake, weight updates (vLLM's paths), and the
+collective group over which a trainer pushes weights (tandem.serve.weight_receiver).
 
 Mounted only with `--enable-admin-api`, and then behind the API key. Each call runs in the engine
 thread between two steps; an engine without the method answers 501.
@@ -13,6 +14,7 @@ from fastapi import APIRouter, Query, Request
 
 from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
 from tandem.serve.errors import APIError
+from tandem.serve.weight_receiver import InitCommunicatorRequest, NamedParam, WeightReceiver
 
 
 def admin_router(llm: AsyncLLM) -> APIRouter:
@@ -80,6 +82,27 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
             "num_tensors": num,
             "weights_version": getattr(llm.engine, "weights_version", None),
         }
+
+    receiver = WeightReceiver(llm)
+
+    @router.post("/init_communicator")
+    async def init_communicator(req: InitCommunicatorRequest) -> dict:
+        """Join the trainer's two-party group (its TCPStore at host:port) as rank 1."""
+        return await receiver.init(req)
+
+    @router.post("/update_named_param")
+    async def update_named_param(param: NamedParam) -> dict:
+        """Receive one tensor, broadcast by the trainer, and load it."""
+        return await receiver.update([param])
+
+    @router.post("/update_named_params")
+    async def update_named_params(params: list[NamedParam]) -> dict:
+        """Receive the listed tensors, broadcast by the trainer in this order, and load them."""
+        return await receiver.update(params)
+
+    @router.post("/close_communicator")
+    async def close_communicator() -> dict:
+        return await receiver.close()
 
     return router
 
