@@ -86,6 +86,8 @@ class GRPOConfig:
 
     # Generation engine.
     vllm_mode: str = "colocate"
+    vllm_server_base_url: str | None = None  # vllm_mode="server": the `tandem serve` to push to
+    vllm_server_api_key: str | None = None
     vllm_gpu_memory_utilization: float = 0.3
     vllm_enable_sleep_mode: bool = True
     engine_sleep_level: int = 2  # 1: free KV cache only; 2: also drop engine-only weight copies
@@ -272,6 +274,8 @@ class GRPOConfig:
     def _check_engine(self) -> None:
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(_choice_msg("vllm_mode", self.vllm_mode, VLLM_MODES))
+        if self.vllm_mode == "server" and not self.vllm_server_base_url:
+            raise ValueError("vllm_mode='server' needs vllm_server_base_url (the `tandem serve` URL)")
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ValueError(
                 "vllm_gpu_memory_utilization must be in (0, 1], got "

@@ -22,8 +22,8 @@ from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.logging import MetricsLogger
 from tandem.rl.loss import completion_logps, group_advantages, grpo_loss, loss_kwargs_from_config, reward_metrics
 from tandem.rl.rewards import RewardComputer, wrap_completions
-from tandem.rl.rollout import Rollout, generate_rollout, pack
-from tandem.rl.weight_sync import WeightSync
+from tandem.rl.rollout import Rollout, pack
+from tandem.rl.generation import ColocatedGenerator, ServerGenerator
 from tandem.sampling_params import SamplingParams
 
 
@@ -74,8 +74,17 @@ class GRPOTrainer:
             args.lr_scheduler_type, self.optimizer,
             num_warmup_steps=math.ceil(args.warmup_ratio * self.max_steps), num_training_steps=self.max_steps,
         )
-        self.llm = self._build_engine(engine_kwargs or {})
-        self.weight_sync = WeightSync(self.llm, self.model)
+        self.llm = None
+        if args.vllm_mode == "server":
+            from tandem.rl.server_client import ServerClient
+
+            client = ServerClient(args.vllm_server_base_url, args.vllm_server_api_key)
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self.generator = ServerGenerator(client, self.model, backend)
+        else:
+            self.llm = self._build_engine(engine_kwargs or {})
+            sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
+            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level)
         self.sampling_params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
@@ -157,7 +166,7 @@ class GRPOTrainer:
         a = self.args
         times = {}
         t = time.perf_counter()
-        self.weight_sync.sync()  # wakes the engine and copies the trainer's weights in place
+        self.generator.sync()
         times["time/weight_sync"] = time.perf_counter() - t
         t = time.perf_counter()
         indices = self.dist.shard(self.sampler.next_batch())  # this rank's prompts of the global batch
@@ -165,9 +174,7 @@ class GRPOTrainer:
                                    a.max_prompt_length, a.chat_template_kwargs)
         seed = (a.seed * 1_000_003 + self.global_step * 65_537) % (1 << 31)
         offset = self.dist.shard_offset(len(indices))
-        rollout = generate_rollout(self.llm, batch, a.num_generations, self.sampling_params, seed, offset)
-        if a.vllm_enable_sleep_mode:
-            self.llm.sleep(a.engine_sleep_level)
+        rollout = self.generator.rollout(batch, a.num_generations, self.sampling_params, seed, offset)
         times["time/generate"] = time.perf_counter() - t
         t = time.perf_counter()
         prompts = batch.repeated_prompts(a.num_generations)
@@ -182,7 +189,7 @@ class GRPOTrainer:
         times["time/train"] = time.perf_counter() - t
         metrics = {**reward_metrics(result.rewards, a.num_generations), **result.metrics(), **train_metrics,
                    **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
-                   "engine/weights_version": self.llm.llm_engine.weights_version}
+                   "engine/weights_version": self.generator.weights_version}
         metrics["time/step"] = sum(v for k, v in times.items())
         if self.logger is not None and self.global_step % max(1, a.logging_steps) == 0:
             self.logger.log(self.global_step, metrics)
@@ -233,7 +240,7 @@ class GRPOTrainer:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.global_step += 1
-                self.weight_sync.mark_stale()
+                self.generator.mark_stale()
         sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
         count = sums.pop("_count")
         return {k: v / max(1, count) for k, v in sums.items()}
@@ -264,14 +271,10 @@ class GRPOTrainer:
             raise ValueError("evaluate() needs a dataset (or eval_dataset given to the trainer)")
         n = min(len(dataset), num_samples or len(dataset))
         batch = build_prompt_batch(dataset, list(range(n)), self.tokenizer, a.max_prompt_length, a.chat_template_kwargs)
-        self.weight_sync.sync()
-        greedy = SamplingParams(temperature=0, max_tokens=a.max_completion_length)
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in batch.prompt_ids], greedy, use_tqdm=False)
-        if a.vllm_enable_sleep_mode:
-            self.llm.sleep(a.engine_sleep_level)
-        texts = [o.outputs[0].text for o in outs]
-        result = self.rewards(batch.prompts, wrap_completions(batch.prompts, texts),
-                              [o.outputs[0].token_ids for o in outs], **batch.reward_columns(1))
+        self.generator.sync()
+        texts, token_ids = self.generator.greedy(batch.prompt_ids, a.max_completion_length)
+        result = self.rewards(batch.prompts, wrap_completions(batch.prompts, texts), token_ids,
+                              **batch.reward_columns(1))
         return {f"eval/{k.removeprefix('rewards/')}": v for k, v in result.metrics().items()} | {
             "eval/reward": torch.nanmean(result.rewards).item(), "eval/num_samples": n}
 
@@ -280,7 +283,7 @@ class GRPOTrainer:
         """Rank 0 writes (the replicas and their optimizer states are identical); all ranks return
         its path once it is complete."""
         state = {"sampler": self.sampler.state_dict(), "config": self.args.to_dict(),
-                 "weights_version": self.llm.llm_engine.weights_version, "world_size": self.dist.world_size}
+                 "weights_version": self.generator.weights_version, "world_size": self.dist.world_size}
         path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
         if self.dist.is_main:
             path = ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
@@ -299,5 +302,5 @@ class GRPOTrainer:
         state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
         self.global_step = int(state["global_step"])
-        self.weight_sync.mark_stale()
+        self.generator.mark_stale()
         return self.global_step

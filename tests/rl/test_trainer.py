@@ -38,7 +38,7 @@ def test_tiny_model_learns_from_engine_rollouts(tmp_path):
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.25 and last > 0.4, rewards
     # one weight sync per optimizer-step round, each visible as a new engine weights version
-    assert trainer.llm.llm_engine.weights_version == trainer.weight_sync.num_syncs
+    assert trainer.llm.llm_engine.weights_version == trainer.generator.weight_sync.num_syncs
     assert trainer.llm.llm_engine.is_sleeping  # slept between rollouts
     bm = trainer.llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
