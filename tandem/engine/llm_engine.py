@@ -280,9 +280,11 @@ class LLMEngine(ColocationMixin):
                 seq.top_logprobs.append(entry)
             row += 1
             state = self.requests[seq.request_id]
-            touched[seq.request_id] = state
             self.num_generated_tokens += 1
             self._check_finished(state, seq)
+            # final_only requests produce an output only when a sample finishes
+            if state.output_kind != "final_only" or seq.is_finished:
+                touched[seq.request_id] = state
 
     def _check_finished(self, state: RequestState, seq: Sequence) -> None:
         stop = check_stop(seq, self.eos_token_ids, self.max_model_len)
