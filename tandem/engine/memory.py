@@ -71,7 +71,6 @@ def profile_run(engine: "LLMEngine", config: "EngineConfig") -> None:
     """A forward pass at the largest batch the scheduler can form, plus sampling at max_num_seqs."""
     num_tokens = min(config.max_num_batched_tokens, engine.max_model_len * config.max_num_seqs)
     chunk = min(num_tokens, engine.max_model_len)
-    vocab = engine.hf_config.vocab_size
     dev = engine.device
     hidden = None
     done = 0

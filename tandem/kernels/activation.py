@@ -7,14 +7,10 @@ then the product in fp32 rounded again.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from tandem.layers.activation import silu_and_mul_ref  # noqa: F401 (the reference)
 
 
 @triton.jit

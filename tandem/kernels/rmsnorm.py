@@ -11,18 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x + residual
-    return rms_norm_ref(x, weight, eps), x
+from tandem.layers.norm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: F401 (the references)
 
 
 @triton.jit

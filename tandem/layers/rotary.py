@@ -40,6 +40,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rotary_ref(
+    positions: torch.Tensor,
+    q_TNH: torch.Tensor,
+    k_TKH: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New rotated (q, k), as HF's `apply_rotary_pos_emb`; cos/sin caches are [max_pos, H] fp32."""
+    cos = cos_cache[positions].to(q_TNH.dtype)[:, None, :]
+    sin = sin_cache[positions].to(q_TNH.dtype)[:, None, :]
+    q = q_TNH * cos + rotate_half(q_TNH) * sin
+    k = k_TKH * cos + rotate_half(k_TKH) * sin
+    return q, k
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k shaped [T, N, H] at the given positions [T].
 
@@ -65,8 +80,4 @@ class RotaryEmbedding(nn.Module):
             from tandem.kernels.rotary import apply_rotary
 
             return apply_rotary(positions, q_TNH, k_TNH, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache[positions].to(q_TNH.dtype)[:, None, :]
-        sin = self.sin_cache[positions].to(q_TNH.dtype)[:, None, :]
-        q = q_TNH * cos + rotate_half(q_TNH) * sin
-        k = k_TNH * cos + rotate_half(k_TNH) * sin
-        return q, k
+        return apply_rotary_ref(positions, q_TNH, k_TNH, self.cos_cache, self.sin_cache)

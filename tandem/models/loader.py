@@ -98,11 +98,6 @@ def build_model(hf_config, max_position: int, dtype: torch.dtype, device: torch.
             model = cls(hf_config, max_position)
         finally:
             torch.set_default_dtype(default)
-    # Rotary caches stay fp32 whatever the weights are.
-    for m in model.modules():
-        if hasattr(m, "cos_cache"):
-            m.cos_cache = m.cos_cache.float()
-            m.sin_cache = m.sin_cache.float()
     return model.eval().requires_grad_(False)
 
 
