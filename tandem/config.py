@@ -37,6 +37,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     revision: str | None = None
     attention_backend: str = "auto"  # auto | torch | triton
+    # Launch each step before reading back the previous one's tokens (vLLM's async scheduling):
+    # None turns it on where the device runs asynchronously to the host (CUDA).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

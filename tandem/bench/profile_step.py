@@ -98,6 +98,8 @@ def _events(prof) -> list[Event]:
     out = []
     for e in prof.events():
         kind = "kernel" if e.device_type == torch.autograd.DeviceType.CUDA else "cpu"
+        if kind == "kernel" and e.name == STEP:
+            continue  # the step's own range, mirrored on the device timeline: not a kernel
         dur = e.time_range.end - e.time_range.start
         # host ops: self time, so nested ops are not counted twice in the CPU-only table
         if kind == "cpu" and e.name != STEP and not _WAIT.match(e.name):

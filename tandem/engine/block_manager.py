@@ -75,9 +75,17 @@ class BlockManager:
         reused_free = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         return new + reused_free <= self.num_free_blocks
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= self.num_free_blocks
+    def try_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give `seq` the blocks its computed tokens plus `num_new_tokens` need, if enough are free."""
+        bs = self.block_size
+        needed = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self.free_block_ids):
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
 
     # -- changes -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> None:
@@ -140,7 +148,8 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a weight update the cached KV is stale)."""
-        for block in self.blocks:
+        for block_id in self.hash_to_block_id.values():  # every block with a hash is in it
+            block = self.blocks[block_id]
             block.hash = None
             block.token_ids = ()
         self.hash_to_block_id.clear()

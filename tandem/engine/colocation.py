@@ -43,6 +43,7 @@ class ColocationMixin:
             return {"already_sleeping": True}
         if self.has_unfinished_requests():
             raise ValueError(f"cannot sleep with {len(self.requests)} requests in flight; abort them first")
+        self.drain()  # nothing may still be running on the memory about to go
         t0 = time.perf_counter()
         free_before = _free_bytes(self.device)
         self.model_runner.release_kv_cache()

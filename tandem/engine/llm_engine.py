@@ -9,17 +9,17 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.async_output import AsyncSamplerOutput
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.colocation import ColocationMixin
 from tandem.engine.cumem import vmm_available
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sleep_mode import WeightStore
 from tandem.engine.sequence import Sequence
 from tandem.engine.stop_checker import check_stop, find_stop_string
-from tandem.layers.sampler import SamplerOutput
 from tandem.models.loader import (
     ModelSource,
     build_model,
@@ -84,6 +84,12 @@ class LLMEngine(ColocationMixin):
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.enable_chunked_prefill,
         )
+        # vLLM's async scheduling: on by default where a device runs asynchronously to the host
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        # the launched step whose sampled tokens the host has not read yet
+        self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
+        self._drained: list[RequestOutput] = []
         self.eos_token_ids = self._eos_token_ids()
         self.model_runner.eos_token_ids = self.eos_token_ids
         self.requests: dict[str, RequestState] = {}
@@ -204,8 +210,11 @@ class LLMEngine(ColocationMixin):
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
+        eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         for i in range(params.n):
             seq = Sequence(ids, params, request_id, i, leader)
+            seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
+            seq.eos_ids, seq.stop_ids = eos, seq.stop_ids | eos
             leader = leader or seq
             state.seqs.append(seq)
         if output_kind != "final_only" or params.stop_strings:
@@ -225,6 +234,7 @@ class LLMEngine(ColocationMixin):
         ids = [request_id] if isinstance(request_id, str) else request_id
         for rid in ids:
             state = self.requests.pop(rid, None)
+            self._drained = [o for o in self._drained if o.request_id != rid]
             if state is None:
                 continue
             for seq in state.seqs:
@@ -238,47 +248,73 @@ class LLMEngine(ColocationMixin):
 
     # -- the loop ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step whose tokens are back.
+
+        Synchronous scheduling returns this step's outputs. With async scheduling the step is
+        launched first and the previous step's tokens are read while the device runs it, so the
+        host's work hides behind the device's; outputs come one step later, identical otherwise.
+        """
         t0 = time.perf_counter()
+        if self._in_flight is not None and self._in_flight[1].reads_history:
+            self.drain()  # penalties count every output token: no placeholders in the next batch
         sched = self.scheduler.schedule()
-        if sched.is_empty:
+        if sched.is_empty and self._in_flight is None:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError(
                     "the KV cache cannot hold even one waiting sequence; lower max_model_len or "
                     "raise gpu_memory_utilization"
                 )
-            return []
-        sampled = self.model_runner.run(sched)
-        self.scheduler.update_from_output(sched)
-        touched: dict[str, RequestState] = {}
-        if sampled is not None:
-            self._postprocess(sched, sampled, touched)
-        outputs = [out for st in touched.values() if (out := self._make_output(st)) is not None]
-        stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
-        stats[0] += 1
-        stats[1] += time.perf_counter() - t0
-        return outputs
+            return self._take_drained()
+        launched = None
+        if not sched.is_empty:
+            prev = self._in_flight[1].token_ids if self._in_flight is not None else None
+            sampled = self.model_runner.run(sched, prev)
+            launched = (sched, None if sampled is None else
+                        AsyncSamplerOutput(sampled, self.model_runner.sampling_reads_history))
+        self.drain()  # the previous step's tokens: read while the device runs this one
+        if launched is not None:
+            self.scheduler.update_from_output(sched)
+            self._in_flight = launched if launched[1] is not None else None
+            if not self.async_scheduling:
+                self.drain()
+            stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
+            stats[0] += 1
+            stats[1] += time.perf_counter() - t0
+        return self._take_drained()
 
-    def _postprocess(self, sched, sampled: SamplerOutput, touched: dict[str, RequestState]) -> None:
-        # one device->host copy for both (float64 holds every token id exactly)
-        token_ids, logprobs = torch.stack([sampled.token_ids.double(), sampled.logprobs.double()]).tolist()
-        token_ids = [int(t) for t in token_ids]
-        topk_ids = sampled.topk_ids.tolist() if sampled.topk_ids is not None else None
-        topk_lps = sampled.topk_logprobs.tolist() if sampled.topk_logprobs is not None else None
-        ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
-        row = 0
-        for i, seq in enumerate(sched.seqs):
-            if not sched.sampling[i]:
+    def drain(self) -> None:
+        """Read back the in-flight step (if any) now; its outputs come with the next `step()`."""
+        if self._in_flight is None:
+            return
+        touched: dict[str, RequestState] = {}
+        self._postprocess(*self._in_flight, touched)
+        self._in_flight = None
+        self._drained += [out for st in touched.values() if (out := self._make_output(st)) is not None]
+
+    def _take_drained(self) -> list[RequestOutput]:
+        out, self._drained = self._drained, []
+        return out
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, touched: dict[str, RequestState]) -> None:
+        if sampled is None:
+            return
+        token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
+        row = -1
+        for seq, smp in zip(sched.seqs, sched.sampling):
+            if not smp:
                 continue
+            row += 1
+            if not seq.has_placeholder:
+                continue  # finished or aborted meanwhile: this row was computed for nothing
             tok, lp = token_ids[row], logprobs[row]
             seq.append_token(tok, lp)
             if seq.sampling_params.logprobs is not None:
                 entry = {tok: (lp, ranks[row])}
                 k = seq.sampling_params.logprobs
                 if k and topk_ids is not None:
-                    for r, (t, l) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k])):
-                        entry.setdefault(t, (l, r + 1))
+                    for r, (t, lp_t) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k])):
+                        entry.setdefault(t, (lp_t, r + 1))
                 seq.top_logprobs.append(entry)
-            row += 1
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
             self._check_finished(state, seq)
@@ -287,7 +323,7 @@ class LLMEngine(ColocationMixin):
                 touched[seq.request_id] = state
 
     def _check_finished(self, state: RequestState, seq: Sequence) -> None:
-        stop = check_stop(seq, self.eos_token_ids, self.max_model_len)
+        stop = check_stop(seq)
         if state.detokenizers is not None:
             det = state.detokenizers[seq.index]
             delta = det.add(seq.last_token_id)

@@ -97,9 +97,13 @@ def _profile_gpu_blocks(engine: "LLMEngine", config: "EngineConfig", block_bytes
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(engine.device)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    budget = total * config.gpu_memory_utilization - weights - activation_peak
-    # Never plan on more than is free now (a colocated trainer holds the rest).
-    kv_bytes = min(budget, free - activation_peak - (256 << 20))
+    # CUDA graphs keep the activations of their largest batch (max_num_seqs decode rows and its
+    # logits) for good, beside the transient prefill peak: reserve the profiled peak for them too,
+    # an upper bound that costs a percent or two of the cache.
+    graphs = activation_peak if not config.enforce_eager else 0
+    budget = total * config.gpu_memory_utilization - weights - activation_peak - graphs
+    # Never plan on more than is free now (a colocated trainer or a peer model holds the rest).
+    kv_bytes = min(budget, free - activation_peak - graphs - (256 << 20))
     engine.profile = {"weights_bytes": weights, "activation_peak_bytes": activation_peak,
-                      "kv_cache_bytes": max(0, int(kv_bytes))}
+                      "cudagraph_reserve_bytes": graphs, "kv_cache_bytes": max(0, int(kv_bytes))}
     return max(0, int(kv_bytes // block_bytes))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.engine.scheduler import SchedulerOutput
-from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from tandem.layers.attention import Attention
 from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -31,6 +33,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
+        # whether the last step's sampling read the sequences' output tokens (penalties)
+        self.sampling_reads_history = False
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
@@ -86,10 +90,14 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
         return t.to(self.device, non_blocking=True)
 
-    def prepare_inputs(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare_inputs(
+        self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flatten the step into token ids, positions, slot mapping and block tables.
 
-        Built with numpy and moved to the device in one pinned copy: this runs every step.
+        Built with numpy and moved to the device in one pinned copy: this runs every step. Inputs
+        that are still placeholders (tokens the previous, in-flight step is sampling) are filled
+        on the device from `prev_token_ids`.
         """
         bs = self.block_size
         seqs = sched.seqs
@@ -99,7 +107,8 @@ class ModelRunner:
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         T = int(qsl[-1])
-        if sched.is_decode_only:
+        decode_only = T == B
+        if decode_only:
             input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, B)
             positions = starts
             seq_index = np.arange(B)
@@ -109,39 +118,53 @@ class ModelRunner:
                 np.int64, T)
             seq_index = np.repeat(np.arange(B), n)
             positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
-        max_blocks = max(len(s.block_table) for s in seqs)
+        lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, B)
+        max_blocks = int(lens.max())
         tables = np.zeros((B, max_blocks), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+        tables[np.arange(max_blocks) < lens[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs), np.int64, int(lens.sum()))
         slots = tables[seq_index, positions // bs] * bs + positions % bs
         seq_lens = starts + n
-        host = np.concatenate([input_ids, positions, slots, qsl, seq_lens, tables.ravel()])
+        parts = [input_ids, positions, slots, qsl, seq_lens, tables.ravel()]
+        pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
+        if len(pending):
+            if prev_token_ids is None:
+                raise RuntimeError("placeholder inputs but no in-flight step to read them from")
+            rows = np.fromiter((seqs[i].pending_row for i in seq_index[pending].tolist()), np.int64, len(pending))
+            parts += [pending, rows]
+        host = np.concatenate(parts)
         dev = torch.from_numpy(host)
         if self.pin:
             dev = dev.pin_memory()
         dev = dev.to(self.device, non_blocking=True)
-        o = np.cumsum([0, T, T, T, B + 1, B])
+        o = np.cumsum([0, T, T, T, B + 1, B, B * max_blocks, len(pending)])
+        input_dev = dev[o[0] : o[1]]
+        if len(pending):
+            input_dev = input_dev.clone()
+            input_dev[dev[o[6] : o[7]]] = prev_token_ids[dev[o[7] :]]
         meta = AttentionMetadata(
             slot_mapping=dev[o[2] : o[3]],
             query_start_loc=dev[o[3] : o[4]].to(torch.int32),
             seq_lens=dev[o[4] : o[5]].to(torch.int32),
-            block_tables=dev[o[5] :].view(B, max_blocks).to(torch.int32),
+            block_tables=dev[o[5] : o[6]].view(B, max_blocks).to(torch.int32),
             max_query_len=int(n.max()),
             max_seq_len=int(seq_lens.max()),
-            decode_only=sched.is_decode_only,
+            decode_only=decode_only,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         sample_rows = (qsl[1:][np.asarray(sched.sampling, dtype=bool)] - 1).tolist()
-        return dev[o[0] : o[1]], dev[o[1] : o[2]], meta, sample_rows
+        return input_dev, dev[o[1] : o[2]], meta, sample_rows
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """Per-row sampling tensors; reused while the batch keeps the same sequences (steady decode)
         unless a row has state that changes every step (penalty counts, min_tokens)."""
         key = tuple(s.seq_id for s in seqs)
         if key == self._sampling_key and self._sampling_meta is not None:
+            self.sampling_reads_history = False
             return self._sampling_meta
         m = self._build_sampling(seqs)
+        self.sampling_reads_history = m.output_counts is not None
         stateful = m.output_counts is not None or m.min_tokens_mask is not None
         self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
         return m
@@ -215,8 +238,9 @@ class ModelRunner:
 
     # -- running -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> SamplerOutput | None:
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(sched)
+    def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
+        """Launch the step; returns device tensors without waiting for the device."""
+        input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
         if not sample_rows:
             with set_attention_metadata(meta):
                 self.model(input_ids, positions)

@@ -22,7 +22,7 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_new: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
-        self.sampling.append(seq.num_computed_tokens + num_new == seq.num_tokens)
+        self.sampling.append(seq.num_computed_tokens + num_new == len(seq.token_ids))
 
     @property
     def total_tokens(self) -> int:
@@ -76,23 +76,27 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_tokens = len(seq.token_ids)
+            if num_tokens >= seq.max_num_tokens:
+                i += 1  # its in-flight token (async scheduling) is its last: nothing more to run
+                continue
+            num_new = num_tokens - seq.num_computed_tokens
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     i += 1
                     continue
                 num_new = budget
-            while not bm.can_append(seq, num_new):
-                victim = self.running.pop()
+            while not bm.try_append(seq, num_new):
+                victim = running.pop()
                 self._preempt(victim)
                 out.num_preempted += 1
                 if victim is seq:
                     break
             else:
-                bm.append_slots(seq, num_new)
                 out.add(seq, num_new)
                 budget -= num_new
                 i += 1
@@ -144,11 +148,22 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts after the model ran the step."""
+        """Book a launched step: advance computed-token counts, register blocks that became full,
+        and count each token it samples as generated, a placeholder until its id is read back.
+        Sequences that finished meanwhile (async scheduling) are skipped: their blocks are gone."""
         bm = self.block_manager
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            bm.cache_full_blocks(seq)
+        caching = bm.enable_prefix_caching
+        bs = bm.block_size
+        running = SequenceStatus.RUNNING
+        row = 0
+        for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
+            if seq.status is running:
+                seq.num_computed_tokens += n
+                if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
+                    bm.cache_full_blocks(seq)
+                if samples:
+                    seq.append_placeholder(row)
+            row += samples
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark a sequence done (stopped, length, aborted) and free its blocks."""
@@ -156,6 +171,7 @@ class Scheduler:
             return
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        seq.drop_placeholder()
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -8,6 +8,11 @@ import time
 
 from tandem.sampling_params import SamplingParams
 
+# Stands for a token the device has sampled but the host has not read yet (async scheduling): the
+# next step is scheduled and launched before the previous step's tokens come back, and reads the
+# real id from the device. Never a valid token id.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -55,6 +60,12 @@ class Sequence:
         self.first_token_time: float | None = None
         self.output_text = ""
         self.generator = None  # torch.Generator for a seeded request, made on first sample
+        self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
+        # Limits checked every step, computed once. The engine narrows them (max_model_len, EOS).
+        max_tokens = sampling_params.max_tokens
+        self.max_num_tokens = self.num_prompt_tokens + max_tokens if max_tokens is not None else 1 << 62
+        self.eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless ignore_eos
+        self.stop_ids = frozenset(sampling_params.stop_token_ids)  # EOS and stop tokens: end it
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -87,8 +98,25 @@ class Sequence:
     def in_prompt_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def has_placeholder(self) -> bool:
+        return self.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+
+    def append_placeholder(self, row: int) -> None:
+        """Count a token the in-flight step is sampling (row `row` of its output) as generated."""
+        self.token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.pending_row = row
+
+    def drop_placeholder(self) -> None:
+        if self.has_placeholder:
+            self.token_ids.pop()
+
     def append_token(self, token_id: int, logprob: float) -> None:
-        self.token_ids.append(token_id)
+        """Record a sampled token; it takes the place of the placeholder where there is one."""
+        if self.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            self.token_ids[-1] = token_id
+        else:
+            self.token_ids.append(token_id)
         self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob
         if self.first_token_time is None:

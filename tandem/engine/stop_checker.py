@@ -5,17 +5,17 @@ from __future__ import annotations
 from tandem.engine.sequence import Sequence
 
 
-def check_stop(seq: Sequence, eos_token_ids: set[int], max_model_len: int) -> tuple[str, int | None] | None:
-    """(finish_reason, stop_reason) once the last sampled token ends the sequence, else None."""
-    p = seq.sampling_params
-    n_out = seq.num_output_tokens
-    token = seq.last_token_id
-    if n_out >= p.min_tokens:
-        if not p.ignore_eos and token in eos_token_ids:
-            return "stop", None
-        if token in p.stop_token_ids:
-            return "stop", token
-    if (p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= max_model_len:
+def check_stop(seq: Sequence) -> tuple[str, int | None] | None:
+    """(finish_reason, stop_reason) once the last sampled token ends the sequence, else None.
+
+    Reads the limits the engine set on the sequence: `stop_ids` (stop tokens, plus EOS unless
+    ignore_eos; EOS reports no stop_reason) and `max_num_tokens` (prompt + max_tokens, capped at
+    max_model_len).
+    """
+    token = seq.token_ids[-1]
+    if token in seq.stop_ids and len(seq.token_ids) - seq.num_prompt_tokens >= seq.sampling_params.min_tokens:
+        return "stop", (None if token in seq.eos_ids else token)
+    if len(seq.token_ids) >= seq.max_num_tokens:
         return "length", None
     return None
 

@@ -94,15 +94,16 @@ def test_uncached_blocks_are_reused_before_cached_ones():
     assert b.block_table[0] != cached_block
 
 
-def test_can_append_counts_new_blocks():
+def test_try_append_takes_blocks_only_when_all_fit():
     bm = BlockManager(num_blocks=2, block_size=4)
     a = seq(range(4))
     admit(bm, a)
     a.num_computed_tokens = 4
-    assert bm.can_append(a, 4)
-    assert not bm.can_append(a, 5)
-    bm.append_slots(a, 1)
+    assert not bm.try_append(a, 5)  # needs 2 more blocks, 1 is free: nothing taken
+    assert len(a.block_table) == 1 and bm.num_free_blocks == 1
+    assert bm.try_append(a, 4)
     assert len(a.block_table) == 2 and bm.num_free_blocks == 0
+    assert bm.try_append(a, 4)  # already covered: no new block needed
 
 
 def test_reset_prefix_cache_forgets_hashes():

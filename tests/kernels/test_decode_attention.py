@@ -119,9 +119,11 @@ def test_heads_per_program_fills_a_256_wide_row():
 
 def test_default_num_splits_depends_on_shapes_only():
     cpu = torch.device("cpu")
-    assert default_num_splits(256, 2, 4096, cpu) == 2
+    assert default_num_splits(256, 2, 4096, cpu) == 1  # 512 programs: enough without splitting
+    assert default_num_splits(256, 2, 4096, cpu, heads_kv=2) == 1
+    assert default_num_splits(64, 2, 4096, cpu, heads_kv=2) == 4
     assert default_num_splits(1, 2, 32768, cpu) == 16
-    assert default_num_splits(4, 8, 128, cpu) == 1  # short contexts are never split
+    assert default_num_splits(4, 8, 64, cpu) == 2  # never fewer than 32 keys per split
 
 
 @pytest.mark.gpu

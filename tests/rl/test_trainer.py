@@ -1,7 +1,6 @@
 """GRPOTrainer end to end on a CPU: a tiny model learns from the engine's rollouts; resume is exact."""
 
 import pytest
-import torch
 from datasets import Dataset
 
 from model_fixtures import make_tiny_model, make_tokenizer

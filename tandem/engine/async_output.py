@@ -1,0 +1,48 @@
+"""A step's sampled tokens on their way to the host, so the next step can launch before they land.
+
+The copy is queued on the device stream right after sampling, into pinned host memory, with an
+event behind it; `get()` waits for that event only. Meanwhile the host schedules and launches the
+next step, whose placeholder inputs read the same tokens straight from `token_ids` on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.layers.sampler import SamplerOutput
+
+
+class AsyncSamplerOutput:
+    def __init__(self, sampled: SamplerOutput, reads_history: bool = False):
+        self.token_ids = sampled.token_ids
+        # the next step's sampling needs this one's ids on the host (penalty counts): read first
+        self.reads_history = reads_history  # device: the next step gathers its inputs from here
+        device = sampled.token_ids.device
+        # float64 holds every token id exactly: one copy carries ids and logprobs
+        packed = [torch.stack([sampled.token_ids.double(), sampled.logprobs.double()])]
+        for t in (sampled.topk_ids, sampled.topk_logprobs, sampled.ranks):
+            packed.append(t)
+        self._event = None
+        if device.type == "cuda":
+            self._host = [None if t is None else _to_pinned(t) for t in packed]
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = packed
+        self._lists = None
+
+    def get(self) -> tuple[list[int], list[float], list | None, list | None, list | None]:
+        """(token ids, logprobs, top-k ids, top-k logprobs, ranks) as Python lists."""
+        if self._lists is None:
+            if self._event is not None:
+                self._event.synchronize()
+            ids_lps, topk_ids, topk_lps, ranks = (None if t is None else t.tolist() for t in self._host)
+            token_ids = [int(t) for t in ids_lps[0]]
+            self._lists = (token_ids, ids_lps[1], topk_ids, topk_lps, ranks)
+        return self._lists
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
