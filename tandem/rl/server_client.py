@@ -24,7 +24,7 @@ from typing import Any, Literal, Self
 
 import torch
 
-from tandem.serve.weight_receiver import (
+from tandem.serve.communicator import (
     TRAINER_RANK,
     Communicator,
     open_store,

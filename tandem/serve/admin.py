@@ -2,17 +2,18 @@
 collective group over which a trainer pushes weights (tandem.serve.weight_receiver).
 
 Mounted only with `--enable-admin-api`, and then behind the API key. Each call runs in the engine
-thread between two steps; an engine without the method answers 501.
+core (the engine's process, where the weights live) between two steps; an engine without the
+method answers 501.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
 from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
+from tandem.serve.engine_core import EngineBusy, InvalidWeights
 from tandem.serve.errors import APIError
 from tandem.serve.weight_receiver import InitCommunicatorRequest, NamedParam, WeightReceiver
 
@@ -21,20 +22,11 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     router = APIRouter(tags=["admin"])
 
     async def call(method: str, *args, idle: bool = False):
-        if not callable(getattr(llm.engine, method, None)):
-            raise APIError(f"this engine has no {method}()", 501, code="not_implemented")
-
-        def run(engine):
-            if idle and engine.has_unfinished_requests():
-                raise _Busy(
-                    f"{engine.get_num_unfinished_requests()} requests are in flight; "
-                    f"{method} waits for an idle engine"
-                )
-            return getattr(engine, method)(*args)
-
         try:
-            return await llm.call(run)
-        except _Busy as e:
+            return await llm.call_utility("call_engine", method, args, idle)
+        except NotImplementedError as e:
+            raise APIError(str(e), 501, code="not_implemented") from None
+        except EngineBusy as e:
             raise APIError(str(e), 409, code="engine_busy") from None
         except EngineUnavailable as e:
             raise APIError(str(e), 503, code="engine_unavailable") from None
@@ -42,7 +34,7 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
             raise APIError(f"{method}: {e}", 400) from None
 
     def sleeping() -> bool:
-        return bool(getattr(llm.engine, "is_sleeping", False))
+        return llm.is_sleeping
 
     @router.post("/sleep")
     async def sleep(level: Annotated[int, Query(ge=1, le=2)] = 1) -> dict:
@@ -69,19 +61,16 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     async def update_weights(request: Request) -> dict:
         """Body: safetensors bytes (application/octet-stream) of HF-named tensors, or JSON
         `{"path": DIR}` naming a checkpoint directory on the server's machine."""
-        if not callable(getattr(llm.engine, "load_weights", None)):
-            raise APIError("this engine has no load_weights()", 501, code="not_implemented")
-        weights = await _read_weights(request)
-
+        source = await _read_weights(request)
         try:  # the engine resets its prefix cache: cached KV came from the old weights
-            num = await llm.call(lambda engine: engine.load_weights(weights()))
+            num = await llm.call_utility("load_weights_from", *source)
+        except InvalidWeights as e:
+            raise APIError(str(e), code="invalid_body") from None
+        except EngineUnavailable as e:
+            raise APIError(str(e), 503, code="engine_unavailable") from None
         except (ValueError, RuntimeError, OSError) as e:
             raise APIError(f"update_weights: {e}", 400) from None
-        return {
-            "status": "ok",
-            "num_tensors": num,
-            "weights_version": getattr(llm.engine, "weights_version", None),
-        }
+        return {"status": "ok", "num_tensors": num, "weights_version": llm.weights_version}
 
     receiver = WeightReceiver(llm)
 
@@ -107,15 +96,9 @@ def admin_router(llm: AsyncLLM) -> APIRouter:
     return router
 
 
-class _Busy(Exception):
-    pass
-
-
-async def _read_weights(request: Request):
-    """A callable giving the (name, tensor) pairs of the request's weights."""
+async def _read_weights(request: Request) -> tuple[str, str | bytes]:
+    """("path", DIR) or ("safetensors", BYTES): parsed in the engine core, where weights live."""
     if request.headers.get("content-type", "").startswith("application/json"):
-        from tandem.models.loader import iterate_checkpoint
-
         try:
             path = (await request.json())["path"]
         except (ValueError, KeyError, TypeError):
@@ -124,13 +107,5 @@ async def _read_weights(request: Request):
             ) from None
         if not isinstance(path, str):
             raise APIError("path must be a string", param="path")
-        return lambda: iterate_checkpoint(path)
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    data = await request.body()
-    try:
-        tensors = await asyncio.to_thread(load, data)
-    except SafetensorError as e:
-        raise APIError(f"the body is not a safetensors file: {e}", code="invalid_body") from None
-    return lambda: iter(tensors.items())
+        return "path", path
+    return "safetensors", await request.body()

@@ -8,6 +8,7 @@ import os
 import sys
 
 from tandem.engine.arg_utils import add_engine_args, engine_kwargs
+from tandem.serve.config import ENGINE_MODES, ServeConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -34,11 +35,20 @@ def add_subcommands(subparsers) -> None:
         default=None,
         help="the model's name in the API (default: MODEL as given)",
     )
+    defaults = ServeConfig()
+    p.add_argument(
+        "--engine-mode",
+        choices=ENGINE_MODES,
+        default=defaults.engine_mode,
+        help="where the engine runs: a process of its own, or a thread of the server's "
+        f"(default: {defaults.engine_mode})",
+    )
     p.add_argument(
         "--max-waiting-requests",
         type=int,
-        default=4096,
-        help="admission bound: beyond this many waiting requests answer 503 (default: 4096)",
+        default=defaults.max_waiting_requests,
+        help="admission bound: beyond this many waiting requests answer 503 "
+        f"(default: {defaults.max_waiting_requests})",
     )
     p.add_argument(
         "--enable-admin-api",
@@ -53,8 +63,9 @@ def add_subcommands(subparsers) -> None:
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM (default: 30)",
+        default=defaults.shutdown_timeout,
+        help="seconds in-flight requests get to finish after SIGTERM "
+        f"(default: {defaults.shutdown_timeout:g})",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
@@ -71,8 +82,11 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"model given twice: {args.model_arg!r} and --model {args.model!r}")
-    if args.max_waiting_requests < 1:
-        raise ValueError(f"--max-waiting-requests must be >= 1, got {args.max_waiting_requests}")
+    serve_config = ServeConfig(
+        engine_mode=args.engine_mode,
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout=args.shutdown_timeout,
+    )
     if args.tensor_parallel_size > 1:  # ranks would need every add/abort/step mirrored in lockstep
         raise ValueError(
             "tandem serve does not run tensor parallel yet; use --tensor-parallel-size 1"
@@ -92,7 +106,11 @@ def run_serve(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    llm = AsyncLLM.from_config(config, max_waiting_requests=args.max_waiting_requests)
+    llm = AsyncLLM.from_config(
+        config,
+        max_waiting_requests=serve_config.max_waiting_requests,
+        engine_mode=serve_config.engine_mode,
+    )
     try:
         app = build_app(
             llm,
@@ -108,7 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
         serve(
             app,
             sock,
-            shutdown_timeout_s=args.shutdown_timeout,
+            shutdown_timeout_s=serve_config.shutdown_timeout,
             log_level=args.log_level,
             access_log=args.access_log,
         )

@@ -2,7 +2,8 @@
 
 Names follow vLLM's (`vllm:` becomes `tandem:`), so existing dashboards need one substitution.
 Latencies are observed in the event loop as the server sees each output; engine-side figures
-(queue lengths, KV-cache usage, prefix-cache hits) come from the engine thread's last snapshot.
+(queue lengths, KV-cache usage, prefix-cache hits) come from the engine core's last snapshot,
+which travels with its step outputs.
 """
 
 from __future__ import annotations
@@ -25,17 +26,21 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What the engine thread publishes after each iteration (replaced whole, never mutated)."""
+    """What the engine core publishes after each iteration (replaced whole, never mutated)."""
 
     num_running: int = 0  # requests with a sequence in the running batch
     num_waiting: int = 0  # requests queued in the engine, none of their sequences running
-    num_added: int = 0  # add commands the engine thread has processed
+    num_added: int = 0  # add commands the engine core has processed
+    num_unfinished: int = 0  # requests the engine holds (running, waiting or preempted)
     kv_cache_usage: float = 0.0
     num_blocks: int = 0
+    num_free_blocks: int = 0
     prefix_queries: int = 0  # tokens looked up in the prefix cache
     prefix_hits: int = 0
     num_preemptions: int = 0
     generation_tokens: int = 0
+    is_sleeping: bool = False
+    weights_version: int = 0
 
 
 class Histogram:

@@ -3,6 +3,7 @@ an HTTP client for it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 from tandem.config import EngineConfig
 from tandem.serve.app import build_app
 from tandem.serve.async_engine import AsyncLLM
+from tandem.serve.config import ServeConfig
 from tandem.serve.server import bind_socket, make_server
 
 MODEL_NAME = "tiny-llama"
+ADMIN_KEY = "sk-admin-key"
 
 
 @dataclass
@@ -26,9 +29,9 @@ class Server:
     llm: AsyncLLM
     api_key: str | None = None
 
-    @property
-    def engine(self):
-        return self.llm.engine
+    def call(self, fn, *args):
+        """`fn(engine, *args)` in the engine core (a module-level fn: it may cross processes)."""
+        return asyncio.run(self.llm.call(fn, *args))
 
     def headers(self) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -66,15 +69,20 @@ class Server:
         return parse_sse(text)
 
     def wait_idle(self, timeout: float = 20.0) -> None:
-        """Until the engine holds no request and every KV block is free (or fail)."""
-        engine, deadline = self.engine, time.monotonic() + timeout
-        bm = engine.block_manager
-        while engine.has_unfinished_requests() or bm.num_free_blocks != bm.num_blocks:
+        """Until the engine holds no request and every KV block is free (or fail), as the
+        engine itself sees it, not the stats snapshot."""
+        deadline = time.monotonic() + timeout
+        while (held := self.call(held_by_engine)) != (0, 0):
             assert time.monotonic() < deadline, (
-                f"engine not idle: {engine.get_num_unfinished_requests()} requests, "
-                f"{bm.num_blocks - bm.num_free_blocks} blocks held"
+                f"engine not idle: {held[0]} requests, {held[1]} blocks held"
             )
             time.sleep(0.02)
+
+
+def held_by_engine(engine) -> tuple[int, int]:
+    """(requests, KV blocks) the engine holds."""
+    bm = engine.block_manager
+    return engine.get_num_unfinished_requests(), bm.num_blocks - bm.num_free_blocks
 
 
 def parse_sse(text: str) -> list[dict]:
@@ -92,13 +100,19 @@ def _parse(raw: bytes, headers):
 
 
 @contextlib.contextmanager
-def run_server(model_dir: str, app_kwargs: dict | None = None, **engine_kwargs) -> Iterator[Server]:
-    """A server on a background thread (its own event loop); stopped and joined on exit."""
+def run_server(
+    model_dir: str,
+    app_kwargs: dict | None = None,
+    engine_mode: str = ServeConfig.engine_mode,
+    **engine_kwargs,
+) -> Iterator[Server]:
+    """A server on a background thread (its own event loop), its engine in `engine_mode` (the
+    default of `tandem serve`); stopped and joined on exit."""
     waiting = engine_kwargs.pop("max_waiting_requests", None)
     config = EngineConfig.from_kwargs(
         **{"model": model_dir, "device": "cpu", "max_num_seqs": 64, **engine_kwargs}
     )
-    llm = AsyncLLM.from_config(config, max_waiting_requests=waiting)
+    llm = AsyncLLM.from_config(config, max_waiting_requests=waiting, engine_mode=engine_mode)
     app = build_app(llm, MODEL_NAME, **(app_kwargs or {}))
     sock = bind_socket("127.0.0.1", 0)
     server = make_server(app, shutdown_timeout_s=5.0, log_level="warning")

@@ -14,17 +14,10 @@ from transformers import AutoModelForCausalLM
 from tandem import LLM, SamplingParams
 from tandem.serve.app import build_app
 
-from .helpers import MODEL_NAME, run_server
+from .helpers import ADMIN_KEY as KEY
+from .helpers import MODEL_NAME
 
-KEY = "sk-test-key"
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital"  # > 1 block
-
-
-@pytest.fixture(scope="module")
-def admin(tiny_llama_dir):
-    app_kwargs = {"api_key": KEY, "enable_admin_api": True}
-    with run_server(tiny_llama_dir, app_kwargs, enable_sleep_mode=True, block_size=4) as s:
-        yield s
 
 
 def _greedy(srv) -> list[int]:
@@ -65,7 +58,7 @@ def test_sleep_refused_while_busy_then_sleep_and_wake(admin):
     body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
     busy = threading.Thread(target=admin.stream, args=("/v1/completions", body))
     busy.start()
-    while not admin.engine.has_unfinished_requests():
+    while not admin.llm.stats.num_unfinished:
         time.sleep(0.002)
     status, _, resp = admin.post("/sleep?level=1", b"")
     assert status == 409 and resp["error"]["code"] == "engine_busy"

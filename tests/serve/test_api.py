@@ -22,7 +22,7 @@ def test_health_models_version(server):
     status, _, models = server.get("/v1/models")
     assert status == 200 and models["object"] == "list"
     (card,) = models["data"]
-    assert card["id"] == MODEL_NAME and card["max_model_len"] == server.engine.max_model_len
+    assert card["id"] == MODEL_NAME and card["max_model_len"] == server.llm.max_model_len
     status, _, version = server.get("/version")
     assert status == 200 and version["version"]
 

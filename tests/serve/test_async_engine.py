@@ -1,5 +1,5 @@
-"""AsyncLLM without HTTP: a failing step fails only its requests, shutdown leaves nobody waiting,
-an idle engine thread does not step."""
+"""AsyncLLM without HTTP, with the engine core in a thread and in a process: a failing step fails
+only its requests, an idle core does not step, shutdown leaves nobody waiting."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from tandem.config import EngineConfig
 from tandem.serve.async_engine import AsyncLLM, EngineError, EngineUnavailable
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
+MODES = ["process", "thread"]
 
 
-def _llm(model_dir: str) -> AsyncLLM:
-    return AsyncLLM.from_config(EngineConfig(model=model_dir, device="cpu", max_num_seqs=8))
+def _llm(model_dir: str, mode: str) -> AsyncLLM:
+    return AsyncLLM(EngineConfig(model=model_dir, device="cpu", max_num_seqs=8), engine_mode=mode)
 
 
 async def _tokens(llm: AsyncLLM, rid: str, params: SamplingParams = GREEDY) -> list[int]:
@@ -26,56 +27,100 @@ async def _tokens(llm: AsyncLLM, rid: str, params: SamplingParams = GREEDY) -> l
     return ids
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+# Run inside the engine core (module-level: in process mode they travel by pickle).
+def _fail_step(engine, which: int) -> None:
+    """The engine's `which`-th next step raises; the ones after it run normally."""
+    real, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == which:
+            del engine.step  # the class's step again
+            raise RuntimeError("boom")
+        return real()
+
+    engine.step = step
+
+
+def _count_steps(engine) -> None:
+    real = engine.step
+    engine.steps_seen = 0
+
+    def step():
+        engine.steps_seen += 1
+        return real()
+
+    engine.step = step
+
+
+def _steps_seen(engine) -> int:
+    return engine.steps_seen
+
+
+def _free_blocks(engine) -> tuple[int, int]:
+    return engine.block_manager.num_free_blocks, engine.block_manager.num_blocks
+
+
+@pytest.fixture(scope="module", params=MODES)
+def llm(request, tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, request.param)
     yield llm
     llm.shutdown()
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(llm, monkeypatch):
-    engine = llm.engine
+def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(llm):
     want = asyncio.run(_tokens(llm, "a"))
-    real_step, calls = engine.step, []
-
-    def step():
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("boom")
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", step)
+    asyncio.run(llm.call(_fail_step, 2))
     with pytest.raises(EngineError, match="boom"):
         asyncio.run(_tokens(llm, "b"))
     assert asyncio.run(_tokens(llm, "c")) == want
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    free, total = asyncio.run(llm.call(_free_blocks))
+    assert free == total
+    assert llm.stats.num_free_blocks == llm.stats.num_blocks == total  # shipped with the step
 
 
-def test_idle_engine_thread_does_not_step(llm, monkeypatch):
-    calls = []
-    real_step = llm.engine.step
-    monkeypatch.setattr(llm.engine, "step", lambda: calls.append(1) or real_step())
+def test_idle_engine_core_does_not_step(llm):
+    asyncio.run(llm.call(_count_steps))
     asyncio.run(_tokens(llm, "d"))
-    n = len(calls)
+    n = asyncio.run(llm.call(_steps_seen))
     time.sleep(0.2)
-    assert len(calls) == n <= 7
+    assert asyncio.run(llm.call(_steps_seen)) == n <= 7
+    asyncio.run(llm.call(_undo_patch))
 
 
-def test_shutdown_leaves_nobody_waiting(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+def _undo_patch(engine) -> None:
+    del engine.step
+
+
+def test_an_unpicklable_call_fails_in_the_caller(llm):
+    if llm.engine_mode == "thread":
+        assert asyncio.run(llm.call(lambda engine: 7)) == 7
+    else:  # a lambda cannot cross processes: the caller hears it, the core never does
+        with pytest.raises(Exception, match="pickle|lambda"):
+            asyncio.run(llm.call(lambda engine: 7))
+    assert asyncio.run(_tokens(llm, "e"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_shutdown_leaves_nobody_waiting(tiny_llama_dir, mode):
+    llm = _llm(tiny_llama_dir, mode)
 
     async def main() -> None:
         long = SamplingParams(max_tokens=400, ignore_eos=True)
         task = asyncio.ensure_future(_tokens(llm, "long", long))
-        while not llm.engine.has_unfinished_requests():
+        while not llm.stats.num_unfinished:
             await asyncio.sleep(0.001)
         await asyncio.to_thread(llm.shutdown)
-        with pytest.raises(EngineUnavailable):
+        with pytest.raises(EngineUnavailable, match="stopped"):
             await task
         with pytest.raises(EngineUnavailable):
             llm.submit([("late", [5, 6], GREEDY)])
         with pytest.raises(EngineUnavailable):
-            await llm.call(lambda engine: None)
+            await llm.call(_free_blocks)
 
     asyncio.run(main())
-    assert not llm.is_alive and not llm.engine.has_unfinished_requests()
+    assert not llm.is_alive
+    if mode == "thread":
+        assert not llm.engine_core.engine.has_unfinished_requests()
+    else:
+        assert llm.engine_core.proc.exitcode == 0  # it stopped when told, not killed

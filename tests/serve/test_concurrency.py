@@ -63,8 +63,16 @@ def test_64_concurrent_streams_share_the_batch(server, offline):
     server.wait_idle()
 
 
+def _generated(engine) -> int:
+    return engine.num_generated_tokens
+
+
+def _hold(engine, seconds: float) -> None:
+    time.sleep(seconds)  # as a long step would
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
-    before = server.engine.num_generated_tokens
+    before = server.call(_generated)
     body = {"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "n": 4, "stream": True}
 
     async def main() -> int:
@@ -82,11 +90,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
 
     assert asyncio.run(main()) == 3
     server.wait_idle(timeout=10)
-    assert server.engine.num_generated_tokens - before < 4 * 480 / 2, "the request ran on"
+    assert server.call(_generated) - before < 4 * 480 / 2, "the request ran on"
 
 
 def test_disconnect_while_waiting_for_a_full_response_aborts(server):
-    before = server.engine.num_generated_tokens
+    before = server.call(_generated)
     body = json.dumps({"prompt": "Hello", "max_tokens": 480, "ignore_eos": True, "n": 4}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
@@ -95,11 +103,11 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(server):
             b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         deadline = time.monotonic() + 10
-        while not server.engine.has_unfinished_requests():
+        while not server.llm.stats.num_unfinished:
             assert time.monotonic() < deadline
             time.sleep(0.005)
     server.wait_idle(timeout=10)
-    assert server.engine.num_generated_tokens - before < 4 * 480 / 2, "the request ran on"
+    assert server.call(_generated) - before < 4 * 480 / 2, "the request ran on"
 
 
 def test_admission_control_503_with_retry_after(tiny_llama_dir):
@@ -108,7 +116,7 @@ def test_admission_control_503_with_retry_after(tiny_llama_dir):
         async def main() -> list[tuple[int, str, str | None]]:
             # Hold the engine thread (as a long step would) while a burst arrives, so requests
             # pile up: three may wait, the rest are turned away at once.
-            held = asyncio.create_task(srv.llm.call(lambda engine: time.sleep(1.5)))
+            held = asyncio.create_task(srv.llm.call(_hold, 1.5))
             await asyncio.sleep(0.05)
             async with aiohttp.ClientSession() as s:
 

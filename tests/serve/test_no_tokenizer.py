@@ -14,7 +14,7 @@ def bare(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-no-tokenizer")
     make_tiny_model("llama").save_pretrained(d)
     with run_server(str(d)) as s:
-        assert s.engine.tokenizer is None
+        assert s.llm.tokenizer is None
         yield s
 
 

@@ -13,20 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
 from tandem.rl.server_client import ServerClient, ServerError
-from tandem.serve.weight_receiver import TRAINER_RANK, Communicator, open_store
+from tandem.serve.communicator import TRAINER_RANK, Communicator, open_store
 
-from .helpers import run_server
+from .helpers import ADMIN_KEY as KEY
 
-KEY = "sk-push-key"
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital"  # > 1 block
 GREEDY = {"temperature": 0, "max_tokens": 12}
-
-
-@pytest.fixture(scope="module")
-def admin(tiny_llama_dir):
-    app_kwargs = {"api_key": KEY, "enable_admin_api": True}
-    with run_server(tiny_llama_dir, app_kwargs, enable_sleep_mode=True, block_size=4) as s:
-        yield s
 
 
 @pytest.fixture
@@ -46,6 +38,10 @@ def _perturbed(model_dir: str, seed: int = 1):
     return model
 
 
+def _norm_weight(engine) -> torch.Tensor:
+    return engine.model.model.norm.weight.detach().clone()
+
+
 def _offline(model, tokenizer, prompt_ids: list[int]):
     llm = LLM(model, tokenizer=tokenizer, device="cpu")
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=0)
@@ -59,7 +55,7 @@ def test_pushed_weights_are_used_by_the_next_generation(admin, client, tiny_llam
     want = _offline(model, admin.llm.tokenizer, ids)
 
     assert client.init_communicator("gloo", timeout_s=30)["status"] == "ok"
-    version = admin.engine.weights_version
+    version = admin.llm.weights_version
     answer = client.push_weights(model, batch_size=4)  # several announces
     assert answer["num_tensors"] > 4 and answer["weights_version"] > version
 
@@ -83,7 +79,7 @@ def test_generate_returns_n_samples_per_prompt_with_logprobs(admin, client):
     assert all(lp <= 0 for c in out for lp in c.logprobs)
 
 
-def test_the_handlers_leave_the_event_loop_free(admin):
+def test_the_handlers_leave_the_event_loop_free(admin, tiny_llama_dir):
     """The server waits for the trainer in a worker thread (join) and in the engine thread
     (receive); meanwhile it answers other requests."""
     store = open_store("127.0.0.1", 0, True, 30)
@@ -95,7 +91,7 @@ def test_the_handlers_leave_the_event_loop_free(admin):
     comm.warmup()
     assert init.result()[0] == 200
 
-    norm = torch.full_like(admin.engine.model.model.norm.weight, 0.5)
+    norm = torch.full_like(admin.call(_norm_weight), 0.5)
     spec = {"name": "model.norm.weight", "dtype": "float32", "shape": list(norm.shape)}
     update = _post_in_thread(admin, "/update_named_param", spec)
     assert admin.get("/health")[0] == 200
@@ -104,14 +100,14 @@ def test_the_handlers_leave_the_event_loop_free(admin):
     comm.broadcast(norm)
     status, _, resp = update.result()
     assert status == 200 and resp["num_tensors"] == 1, resp
-    assert torch.equal(admin.engine.model.model.norm.weight, norm)
+    assert torch.equal(admin.call(_norm_weight), norm)
 
     status, _, resp = admin.post("/init_communicator", body)  # one group at a time
     assert status == 409 and resp["error"]["code"] == "communicator_open"
     assert admin.post("/close_communicator", b"")[2]["closed"] is True
     assert admin.post("/close_communicator", b"")[2]["closed"] is False
     comm.close()
-    status, _, resp = admin.post("/update_weights", {"path": admin.engine.config.model})
+    status, _, resp = admin.post("/update_weights", {"path": tiny_llama_dir})
     assert status == 200, resp  # the norm back
 
 
@@ -146,7 +142,7 @@ def test_a_refused_update_raises_at_once_and_a_failed_load_keeps_the_group(admin
     with pytest.raises(ServerError, match="no_such") as e:  # received in full, then refused
         client.update_named_params(bogus)
     assert e.value.status == 400
-    norm = admin.engine.model.model.norm.weight.clone()
+    norm = admin.call(_norm_weight)
     assert client.update_named_params([("model.norm.weight", norm)])["num_tensors"] == 1
 
     assert admin.post("/close_communicator", b"")[2]["closed"] is True  # behind our back

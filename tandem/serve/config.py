@@ -1,0 +1,28 @@
+"""ServeConfig: the server's own settings (the engine's are EngineConfig); `tandem serve` reads
+its flags' defaults from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ENGINE_MODES = ("process", "thread")
+
+
+@dataclass
+class ServeConfig:
+    # "process": the engine core runs in a process of its own (as vLLM V1's EngineCoreProc), so
+    # its Python work never competes with the HTTP event loop for the GIL. "thread": in a thread
+    # of the server's process (one process, slower at saturation).
+    engine_mode: str = "process"
+    max_waiting_requests: int = 4096  # beyond this many waiting requests answer 503
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+
+    def __post_init__(self) -> None:
+        if self.engine_mode not in ENGINE_MODES:
+            raise ValueError(
+                f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}"
+            )
+        if self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")

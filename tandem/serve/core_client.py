@@ -1,0 +1,205 @@
+"""The API process's handle on the engine core: in a thread of this process, or in a process of
+its own (the default: the engine's Python work then never competes with the event loop for the
+GIL, which at saturation costs most of the GPU's time).
+
+Both clients take commands with `send` and hand every EngineCoreOutputs to `on_outputs`; when
+the core is gone (stopped, crashed, killed) they call `on_exit` once with the error to give the
+requests still waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
+
+from tandem.config import EngineConfig
+from tandem.engine.llm_engine import LLMEngine
+from tandem.serve.config import ENGINE_MODES
+from tandem.serve.engine_core import (
+    STOP,
+    EngineCore,
+    EngineCoreOutputs,
+    EngineInfo,
+    EngineUnavailable,
+    run_engine_core,
+)
+
+logger = logging.getLogger("tandem.serve")
+
+OnOutputs = Callable[[EngineCoreOutputs], None]
+OnExit = Callable[[EngineUnavailable], None]
+
+
+def make_client(
+    mode: str, config: EngineConfig, on_outputs: OnOutputs, on_exit: OnExit
+) -> InprocClient | MPClient:
+    if mode == "process":
+        return MPClient(config, on_outputs, on_exit)
+    if mode == "thread":
+        return InprocClient(config, on_outputs, on_exit)
+    raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {mode!r}")
+
+
+class InprocClient:
+    """The core stepped by a thread of this process; outputs are handed over without copies."""
+
+    def __init__(self, config: EngineConfig, on_outputs: OnOutputs, on_exit: OnExit):
+        self.core = EngineCore(LLMEngine(config), on_outputs)
+        self.info: EngineInfo = self.core.info()
+        self._on_exit = on_exit
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.core.engine
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def send(self, cmds: list[tuple]) -> None:
+        for cmd in cmds:
+            self._commands.put(cmd)
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put((STOP,))
+            self._thread.join(timeout)
+
+    def _get_commands(self, block: bool) -> list[tuple]:
+        cmds = []
+        try:
+            cmds.append(self._commands.get(block=block))
+        except queue.Empty:
+            return cmds
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _run(self) -> None:
+        try:
+            self.core.run_busy_loop(self._get_commands)
+        except BaseException:
+            logger.exception("the engine thread failed")
+            raise
+        finally:
+            self._on_exit(EngineUnavailable("the engine has stopped"))
+
+
+class MPClient:
+    """The core in a spawned process (CUDA cannot be forked), over two one-way pipes.
+
+    Commands are pickled by the caller (so an unpicklable one fails there) and written by a
+    sender thread (a full pipe never blocks the event loop); a receiver thread reads one message
+    per engine step. A core that dies is noticed at once: its pipe reaches end-of-file.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: OnOutputs,
+        on_exit: OnExit,
+        start_timeout_s: float | None = None,
+    ):
+        ctx = mp.get_context("spawn")
+        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
+        self._out_recv, out_send = ctx.Pipe(duplex=False)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.proc = ctx.Process(
+            target=run_engine_core,
+            args=(config, cmd_recv, out_send, level),
+            name="tandem-engine-core",
+            daemon=True,
+        )
+        self.proc.start()
+        cmd_recv.close()  # ours closed: the child's end alone keeps each pipe open
+        out_send.close()
+        self.info: EngineInfo = self._wait_ready(start_timeout_s)
+        self._on_outputs, self._on_exit = on_outputs, on_exit
+        self._stopping = False
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(
+            target=self._send_loop, name="tandem-core-send", daemon=True
+        )
+        self._receiver = threading.Thread(
+            target=self._recv_loop, name="tandem-core-recv", daemon=True
+        )
+        self._sender.start()
+        self._receiver.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._receiver.is_alive() and self.proc.is_alive()
+
+    def send(self, cmds: list[tuple]) -> None:
+        self._outbox.put(ForkingPickler.dumps(cmds))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Tell the core to stop, wait for it, kill it if it does not."""
+        self._stopping = True
+        self._outbox.put(None)
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            logger.warning("the engine process did not stop in %s s; killing it", timeout)
+            self.proc.kill()
+            self.proc.join(5)
+        self._receiver.join(5)
+
+    def _wait_ready(self, timeout_s: float | None) -> EngineInfo:
+        try:
+            if not self._out_recv.poll(timeout_s):
+                self.proc.kill()
+                raise RuntimeError(f"the engine process did not start in {timeout_s} s")
+            kind, payload = self._out_recv.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise RuntimeError(
+                f"the engine process died while starting (exit code {self.proc.exitcode})"
+            ) from None
+        if kind == "failed":
+            self.proc.join(5)
+            raise payload  # the engine's own error: a bad model path stays a ValueError
+        return payload
+
+    def _send_loop(self) -> None:
+        conn = self._cmd_send
+        try:
+            while True:
+                blob = self._outbox.get()
+                if blob is None:
+                    conn.send_bytes(ForkingPickler.dumps([(STOP,)]))
+                    return
+                conn.send_bytes(blob)
+        except OSError:
+            pass  # the core is gone; the receiver reports it
+        finally:
+            conn.close()
+
+    def _recv_loop(self) -> None:
+        conn = self._out_recv
+        try:
+            while True:
+                self._on_outputs(conn.recv())
+        except (EOFError, OSError):
+            pass
+        except BaseException:
+            logger.exception("reading the engine process's outputs failed")
+        self.proc.join(5)
+        if self._stopping:
+            error = EngineUnavailable("the engine has stopped")
+        else:
+            error = EngineUnavailable(
+                f"the engine process died unexpectedly (exit code {self.proc.exitcode}); "
+                "restart the server"
+            )
+            logger.error("%s", error)
+        self._outbox.put(None)  # the sender may stop too
+        self._on_exit(error)
