@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from tandem.rl import checkpoint as ckpt
+from tandem.rl import fsdp
 from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
@@ -60,6 +61,17 @@ class GRPOTrainer:
         if args.gradient_checkpointing and self.device.type == "cuda":
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.config.use_cache = False
+        self.llm = None
+        if args.vllm_mode == "colocate":  # built from the full model, before any sharding
+            self.llm = self._build_engine(engine_kwargs or {})
+        if args.fsdp:
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    fsdp.apply_fsdp(m, self.device, self.use_bf16)
+            self.reduce_grads, self.clip_grad_norm = (lambda model: None), fsdp.clip_grad_norm_
+        else:
+            self.reduce_grads = self.dist.all_reduce_grads
+            self.clip_grad_norm = lambda params, max_norm: float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay,
@@ -74,17 +86,16 @@ class GRPOTrainer:
             args.lr_scheduler_type, self.optimizer,
             num_warmup_steps=math.ceil(args.warmup_ratio * self.max_steps), num_training_steps=self.max_steps,
         )
-        self.llm = None
         if args.vllm_mode == "server":
             from tandem.rl.server_client import ServerClient
 
             client = ServerClient(args.vllm_server_base_url, args.vllm_server_api_key)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.generator = ServerGenerator(client, self.model, backend)
+            self.generator = ServerGenerator(client, self.model, backend, torch.bfloat16 if self.use_bf16 else None)
         else:
-            self.llm = self._build_engine(engine_kwargs or {})
             sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
-            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level)
+            weights = (lambda: fsdp.full_weights(self.model)) if args.fsdp else None
+            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, weights)
         self.sampling_params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
@@ -232,10 +243,10 @@ class GRPOTrainer:
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
                     count += 1
-                self.dist.all_reduce_grads(self.model)
+                self.reduce_grads(self.model)  # FSDP has reduce-scattered them during backward
                 if a.max_grad_norm:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(
-                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)) * len(group)
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + self.clip_grad_norm(
+                        self.model.parameters(), a.max_grad_norm) * len(group)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -280,15 +291,19 @@ class GRPOTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self):
-        """Rank 0 writes (the replicas and their optimizer states are identical); all ranks return
-        its path once it is complete."""
+        """Rank 0 writes (replicas are identical; FSDP shards are gathered to it first); all ranks
+        return its path once it is complete."""
         state = {"sampler": self.sampler.state_dict(), "config": self.args.to_dict(),
                  "weights_version": self.generator.weights_version, "world_size": self.dist.world_size}
         path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
+        model_state = optimizer_state = None
+        if self.args.fsdp:
+            model_state, optimizer_state = fsdp.gather_state_dicts(self.model, self.optimizer)
         if self.dist.is_main:
             path = ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
                                         optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
-                                        save_total_limit=self.args.save_total_limit)
+                                        save_total_limit=self.args.save_total_limit,
+                                        model_state_dict=model_state, optimizer_state_dict=optimizer_state)
         self.dist.barrier()
         return path
 
@@ -299,7 +314,14 @@ class GRPOTrainer:
                 else resume_from_checkpoint)
         if path is None:
             raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        if self.args.fsdp:
+            state = ckpt.load_checkpoint(path, scheduler=self.scheduler)
+            # Rank 0 reads the full weights and optimizer state; each rank keeps its shards.
+            weights = ckpt.read_model_weights(path) if self.dist.is_main else {}
+            optim = torch.load(Path(path) / ckpt.OPTIMIZER, map_location="cpu", weights_only=True) if self.dist.is_main else {}
+            fsdp.scatter_state_dicts(self.model, self.optimizer, weights, optim)
+        else:
+            state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
         self.global_step = int(state["global_step"])
         self.generator.mark_stale()
