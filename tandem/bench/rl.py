@@ -78,10 +78,13 @@ def _model_and_data(cfg: RLBenchConfig):
 
 def _batching(cfg: RLBenchConfig) -> dict:
     per_step = cfg.num_prompts * cfg.num_generations
-    return dict(num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch,
-                gradient_accumulation_steps=per_step // cfg.micro_batch, max_completion_length=cfg.completion_len,
-                learning_rate=1e-6, beta=0.0, temperature=1.0, bf16=torch.cuda.is_available(), seed=cfg.seed,
-                gradient_checkpointing=cfg.gradient_checkpointing, max_steps=cfg.steps + 1, logging_steps=1)
+    return {
+        "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
+        "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
+        "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
+        "seed": cfg.seed, "gradient_checkpointing": cfg.gradient_checkpointing, "max_steps": cfg.steps + 1,
+        "logging_steps": 1,
+    }
 
 
 def run_tandem(cfg: RLBenchConfig) -> dict:

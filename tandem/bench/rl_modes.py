@@ -161,7 +161,7 @@ class _server:
                "--max-model-len", str(cfg.prompt_len + cfg.completion_len), "--max-num-seqs", "256",
                "--gpu-memory-utilization", str(cfg.server_gpu_memory_utilization),
                "--logprobs-mode", "processed_logprobs", "--seed", str(cfg.seed), "--log-level", "warning"]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES="1" if cfg.device == "cuda" else "")
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=_second_gpu() if cfg.device == "cuda" else "")
         if cfg.device == "cpu":
             env["OMP_NUM_THREADS"] = "1"
         self.log = open(Path(self.work) / "server.log", "w+")
@@ -249,8 +249,17 @@ def _timed_steps(trainer, cfg, monitor: bool) -> dict:
     }
 
 
+def _visible() -> list[str]:
+    return [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+
+
+def _second_gpu() -> str:
+    """The server's GPU: the second visible one (GPU 1 unless CUDA_VISIBLE_DEVICES says otherwise)."""
+    ids = _visible()
+    return ids[1] if len(ids) > 1 else "1"
+
+
 def _gpu_indices() -> list[int]:
     """NVML numbers the physical GPUs: the two this bench uses are the first two visible ones."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    ids = _visible()
     return [int(v) for v in ids[:NUM_GPUS]] if ids and all(v.isdigit() for v in ids) else list(range(NUM_GPUS))

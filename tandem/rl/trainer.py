@@ -20,11 +20,17 @@ from tandem.rl import fsdp
 from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
+from tandem.rl.generation import ColocatedGenerator, ServerGenerator
 from tandem.rl.logging import MetricsLogger
-from tandem.rl.loss import completion_logps, group_advantages, grpo_loss, loss_kwargs_from_config, reward_metrics
+from tandem.rl.loss import (
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+    loss_kwargs_from_config,
+    reward_metrics,
+)
 from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
-from tandem.rl.generation import ColocatedGenerator, ServerGenerator
 from tandem.sampling_params import SamplingParams
 
 
@@ -144,12 +150,12 @@ class GRPOTrainer:
         from tandem import LLM
 
         a = self.args
-        kwargs = dict(
-            tokenizer=self.tokenizer, dtype="bfloat16" if self.use_bf16 else "float32",
-            max_model_len=a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
-            gpu_memory_utilization=a.vllm_gpu_memory_utilization, enable_sleep_mode=a.vllm_enable_sleep_mode,
-            seed=a.seed, logprobs_mode="processed_logprobs", max_num_seqs=max(8, a.generation_batch_size),
-        )
+        kwargs = {
+            "tokenizer": self.tokenizer, "dtype": "bfloat16" if self.use_bf16 else "float32",
+            "max_model_len": a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
+            "gpu_memory_utilization": a.vllm_gpu_memory_utilization, "enable_sleep_mode": a.vllm_enable_sleep_mode,
+            "seed": a.seed, "logprobs_mode": "processed_logprobs", "max_num_seqs": max(8, a.generation_batch_size),
+        }
         kwargs.update(engine_kwargs)
         llm = LLM(self.model, **kwargs)
         if a.vllm_enable_sleep_mode:
@@ -213,7 +219,7 @@ class GRPOTrainer:
     def _train_on(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
         a = self.args
         data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
-        N, T = data["completion_mask"].shape
+        N = data["completion_mask"].shape[0]
         mb = a.per_device_train_batch_size
         micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
         needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps

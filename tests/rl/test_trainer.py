@@ -1,10 +1,9 @@
 """GRPOTrainer end to end on a CPU: a tiny model learns from the engine's rollouts; resume is exact."""
 
 import pytest
-import torch
 from datasets import Dataset
-
 from model_fixtures import make_tiny_model, make_tokenizer
+
 from tandem.rl import GRPOConfig, GRPOTrainer
 
 TARGET = 42  # reward: share of completion tokens equal to this id
@@ -19,12 +18,12 @@ def make_trainer(tmp_path, **overrides):
     model = make_tiny_model("llama", seed=3)
     prompts = ["Hello, my name is", "The capital of France is", "What is 2 + 3?", "Once upon a time",
                "one two three", "The answer is", "I generate text", "small model"]
-    cfg = dict(
-        output_dir=str(tmp_path), num_generations=8, per_device_train_batch_size=16,
-        gradient_accumulation_steps=2, max_completion_length=8, max_prompt_length=32, learning_rate=1e-2,
-        max_steps=12, temperature=1.0, report_to="none", gradient_checkpointing=False,
-        lr_scheduler_type="constant", seed=0, vllm_gpu_memory_utilization=0.1, save_steps=10**6,
-    )
+    cfg = {
+        "output_dir": str(tmp_path), "num_generations": 8, "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 2, "max_completion_length": 8, "max_prompt_length": 32, "learning_rate": 1e-2,
+        "max_steps": 12, "temperature": 1.0, "report_to": "none", "gradient_checkpointing": False,
+        "lr_scheduler_type": "constant", "seed": 0, "vllm_gpu_memory_utilization": 0.1, "save_steps": 10**6,
+    }
     cfg.update(overrides)
     return GRPOTrainer(model, target_share, GRPOConfig(**cfg), train_dataset=Dataset.from_dict({"prompt": prompts}),
                        processing_class=tok, engine_kwargs={"device": "cpu"})
