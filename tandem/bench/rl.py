@@ -37,6 +37,7 @@ class RLBenchConfig:
     gpu_memory_utilization: float = 0.35
     server_gpu_memory_utilization: float = 0.9  # server mode: the server has its GPU to itself
     server_timeout_s: float = 600.0  # for `tandem serve` to load and listen
+    cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
     sleep_level: int = 1
     gradient_checkpointing: bool = True
     seed: int = 0
@@ -52,11 +53,8 @@ def even_token_reward(completions, **kwargs):
     return out
 
 
-def _model_and_data(cfg: RLBenchConfig):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from tandem.models.loader import init_dummy_weights
+def _hf_config(cfg: RLBenchConfig):
+    """The architecture: a preset name or a local HF model dir (its weights are not used)."""
     from tandem.models.presets import preset_config
 
     hf_config = preset_config(cfg.model)
@@ -66,6 +64,16 @@ def _model_and_data(cfg: RLBenchConfig):
         hf_config = AutoConfig.from_pretrained(cfg.model)  # its architecture; weights stay random
     if hf_config is None:
         raise ValueError(f"model must be an architecture preset name or an HF model dir, got {cfg.model!r}")
+    return hf_config
+
+
+def _model_and_data(cfg: RLBenchConfig):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from tandem.models.loader import init_dummy_weights
+
+    hf_config = _hf_config(cfg)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     init_dummy_weights(model, cfg.seed)
     tok = synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id)
@@ -201,6 +209,7 @@ def add_parser(subparsers) -> None:
                    help="colocate mode: FSDP2-sharded trainers instead of replicas")
     p.add_argument("--server-gpu-memory-utilization", type=float, default=d.server_gpu_memory_utilization)
     p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s)
+    p.add_argument("--cpu-kv-cache-space-gib", type=float, default=d.cpu_kv_cache_space_gib)
     for f in ("num_prompts", "num_generations", "prompt_len", "completion_len", "micro_batch", "steps",
               "sleep_level", "seed"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -150,11 +150,13 @@ class _server:
         self.key = secrets.token_hex(16)
 
     def __enter__(self) -> tuple[str, str]:
-        from tandem.bench.rl import _model_and_data
+        from tandem.bench.rl import _hf_config
+        from tandem.bench.synthetic_tokenizer import synthetic_tokenizer
 
         cfg = self.cfg
-        tok_dir = Path(self.work) / "tokenizer"
-        _model_and_data(replace(cfg, steps=0))[1].save_pretrained(tok_dir)
+        tok_dir = Path(self.work) / "tokenizer"  # the trainer's tokenizer, so texts agree
+        hf_config = _hf_config(cfg)
+        synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id).save_pretrained(tok_dir)
         cmd = [sys.executable, "-m", "tandem.cli", "serve", cfg.model, "--port", "0", "--api-key", self.key,
                "--enable-admin-api", "--load-format", "dummy", "--tokenizer", str(tok_dir),
                "--device", cfg.device, "--dtype", "bfloat16" if cfg.device == "cuda" else "float32",
@@ -164,6 +166,7 @@ class _server:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=_second_gpu() if cfg.device == "cuda" else "")
         if cfg.device == "cpu":
             env["OMP_NUM_THREADS"] = "1"
+            cmd += ["--cpu-kv-cache-space-gib", str(cfg.cpu_kv_cache_space_gib)]
         self.log = open(Path(self.work) / "server.log", "w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         try:
@@ -215,7 +218,9 @@ def _trainer(cfg, world_size: int, **overrides):
                       save_steps=10**9, max_prompt_length=cfg.prompt_len,
                       vllm_gpu_memory_utilization=cfg.gpu_memory_utilization, engine_sleep_level=cfg.sleep_level,
                       lr_scheduler_type="constant", shuffle_dataset=False, **batching, **overrides)
-    engine_kwargs = {"max_num_seqs": 256} | ({"device": "cpu"} if cfg.device == "cpu" else {})
+    engine_kwargs = {"max_num_seqs": 256}
+    if cfg.device == "cpu":
+        engine_kwargs |= {"device": "cpu", "cpu_kv_cache_space_gib": cfg.cpu_kv_cache_space_gib}
     return GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
                        engine_kwargs=engine_kwargs if args.vllm_mode == "colocate" else None)
 

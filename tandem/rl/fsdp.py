@@ -18,19 +18,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it, on the host
-_SCATTER = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
 
 
 def apply_fsdp(model: torch.nn.Module, device: torch.device, bf16: bool) -> torch.nn.Module:
@@ -129,14 +119,28 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> floa
 def gather_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Full model and optimizer state dicts (keyed by parameter name), on rank 0's host memory;
     other ranks get empty dicts. Every rank must call it."""
-    return (get_model_state_dict(model, options=_GATHER),
-            get_optimizer_state_dict(model, optimizer, options=_GATHER))
+    from torch.distributed.checkpoint.state_dict import (  # a slow import: only when checkpointing
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    gather = StateDictOptions(full_state_dict=True, cpu_offload=True)  # to rank 0, on the host
+    return (get_model_state_dict(model, options=gather),
+            get_optimizer_state_dict(model, optimizer, options=gather))
 
 
 def scatter_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                         model_state: dict, optimizer_state: dict | None) -> None:
     """Load full state dicts that only rank 0 holds (others pass empty dicts) into the shards of
     every rank. Every rank must call it; a checkpoint that does not fit raises on every rank."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    scatter = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     problem = [None]
     if dist.get_rank() == 0:
         expected = set(model.state_dict()) - _tied_names(model)  # save_pretrained drops tied copies
@@ -146,9 +150,9 @@ def scatter_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise RuntimeError(problem[0])
-    set_model_state_dict(model, model_state, options=_SCATTER)
+    set_model_state_dict(model, model_state, options=scatter)
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, optimizer_state or {}, options=_SCATTER)
+        set_optimizer_state_dict(model, optimizer, optimizer_state or {}, options=scatter)
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

@@ -7,6 +7,8 @@ group-relative advantages -> loss (clip, IS correction, optional KL) -> optimize
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +18,6 @@ from pathlib import Path
 import torch
 
 from tandem.rl import checkpoint as ckpt
-from tandem.rl import fsdp
 from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
@@ -70,11 +71,15 @@ class GRPOTrainer:
         self.llm = None
         if args.vllm_mode == "colocate":  # built from the full model, before any sharding
             self.llm = self._build_engine(engine_kwargs or {})
+        engine_weights = None  # None: the engine reads the (unsharded) model itself
         if args.fsdp:
+            from tandem.rl import fsdp  # torch.distributed.fsdp: a second's import, only when used
+
             for m in (self.model, self.ref_model):
                 if m is not None:
                     fsdp.apply_fsdp(m, self.device, self.use_bf16)
             self.reduce_grads, self.clip_grad_norm = (lambda model: None), fsdp.clip_grad_norm_
+            engine_weights = functools.partial(fsdp.full_weights, self.model)  # one unit at a time
         else:
             self.reduce_grads = self.dist.all_reduce_grads
             self.clip_grad_norm = lambda params, max_norm: float(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -100,8 +105,7 @@ class GRPOTrainer:
             self.generator = ServerGenerator(client, self.model, backend, torch.bfloat16 if self.use_bf16 else None)
         else:
             sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
-            weights = (lambda: fsdp.full_weights(self.model)) if args.fsdp else None
-            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, weights)
+            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights)
         self.sampling_params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
@@ -304,6 +308,8 @@ class GRPOTrainer:
         path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
         model_state = optimizer_state = None
         if self.args.fsdp:
+            from tandem.rl import fsdp
+
             model_state, optimizer_state = fsdp.gather_state_dicts(self.model, self.optimizer)
         if self.dist.is_main:
             path = ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
@@ -320,7 +326,12 @@ class GRPOTrainer:
                 else resume_from_checkpoint)
         if path is None:
             raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
+        written = json.loads((Path(path) / ckpt.TRAINER_STATE).read_text())["config"].get("fsdp", False)
+        if written != self.args.fsdp:  # the optimizer state is keyed differently (names vs indices)
+            raise ValueError(f"{path} was written with fsdp={written}; resume it with fsdp={written}")
         if self.args.fsdp:
+            from tandem.rl import fsdp
+
             state = ckpt.load_checkpoint(path, scheduler=self.scheduler)
             # Rank 0 reads the full weights and optimizer state; each rank keeps its shards.
             weights = ckpt.read_model_weights(path) if self.dist.is_main else {}

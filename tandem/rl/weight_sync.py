@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from tandem.rl.fsdp import local_rows
-
 
 class WeightSync:
     def __init__(self, llm, model: torch.nn.Module,
@@ -60,7 +58,12 @@ class WeightSync:
     def _verify(self) -> None:
         """The engine's embedding must equal the trainer's, up to the engine's dtype (under FSDP:
         the rows of this rank's shard)."""
-        ours, rows = local_rows(self.model.get_input_embeddings().weight)
-        theirs = self.llm.llm_engine.model.model.embed_tokens.weight[rows]
+        ours = self.model.get_input_embeddings().weight
+        theirs = self.llm.llm_engine.model.model.embed_tokens.weight
+        if hasattr(ours, "to_local"):  # a DTensor shard
+            from tandem.rl.fsdp import local_rows
+
+            ours, rows = local_rows(ours)
+            theirs = theirs[rows]
         if not torch.equal(ours.to(theirs.dtype), theirs):
             raise RuntimeError("after the weight sync the engine's embedding differs from the trainer's")

@@ -43,7 +43,8 @@ def make_trainer(output_dir, world_size: int, fsdp: bool) -> GRPOTrainer:
         vllm_gpu_memory_utilization=0.1, save_steps=10**6, fsdp=fsdp,
     )
     return GRPOTrainer(tied_model(), target_share, cfg, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                       processing_class=make_tokenizer(), engine_kwargs={"device": "cpu"})
+                       processing_class=make_tokenizer(),
+                       engine_kwargs={"device": "cpu", "cpu_kv_cache_space_gib": 0.05})
 
 
 def _full_weights(trainer: GRPOTrainer) -> dict:
@@ -129,7 +130,8 @@ def test_engines_get_the_full_weights_one_unit_at_a_time(fsdp_run):
     full = _load(fsdp_run, "step1")["weights"]
     model = tied_model()
     model.load_state_dict(full, strict=False)  # lm_head is the embedding
-    expected = LLM(model, tokenizer=make_tokenizer(), device="cpu", dtype="float32").llm_engine.model.state_dict()
+    llm = LLM(model, tokenizer=make_tokenizer(), device="cpu", dtype="float32", cpu_kv_cache_space_gib=0.05)
+    expected = llm.llm_engine.model.state_dict()
     for rank in range(WORLD):
         sync = _load(fsdp_run, "sync", rank)
         assert sync["max_gathered"] == 1  # never more than one FSDP unit in full at once
@@ -158,3 +160,13 @@ def test_fsdp_checkpoint_resumes_identically(fsdp_run):
     assert hf.config.tie_word_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
     state = torch.load(fsdp_run / "straight" / "checkpoint-2" / "optimizer.pt", weights_only=True)
     assert "model.embed_tokens.weight" in state["state"]  # full, keyed by parameter name
+
+
+def test_fsdp_without_a_process_group_says_how_to_launch(tmp_path):
+    with pytest.raises(ValueError, match="torchrun"):
+        make_trainer(tmp_path, world_size=1, fsdp=True)
+
+
+def test_local_rows_follow_torch_chunk():
+    t = torch.arange(10.0).reshape(5, 2)
+    assert fsdp_mod.local_rows(t) == (t, slice(0, 5))  # not sharded: every row

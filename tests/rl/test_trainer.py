@@ -1,5 +1,7 @@
 """GRPOTrainer end to end on a CPU: a tiny model learns from the engine's rollouts; resume is exact."""
 
+import json
+
 import pytest
 from datasets import Dataset
 from model_fixtures import make_tiny_model, make_tokenizer
@@ -63,6 +65,17 @@ def test_resume_gives_the_same_next_step(tmp_path):
     got = resumed.step()
     assert got["reward"] == pytest.approx(expected["reward"], abs=1e-6)
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+
+
+def test_a_checkpoint_resumes_only_with_the_fsdp_setting_it_was_written_with(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2)
+    path = trainer.save_checkpoint()
+    state_file = path / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["fsdp"] = True  # as an FSDP run writes it: optimizer state keyed by name
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="fsdp=True"):
+        make_trainer(tmp_path, max_steps=2)._resume(str(path))
 
 
 def test_bad_configuration_is_refused_before_training(tmp_path):
