@@ -34,17 +34,17 @@ def tied_model():
     return make_tiny_model("llama", seed=3, tie_word_embeddings=True)
 
 
-def make_trainer(output_dir, world_size: int, fsdp: bool) -> GRPOTrainer:
+def make_trainer(output_dir, world_size: int, fsdp: bool, device: str = "cpu") -> GRPOTrainer:
+    engine = {"device": "cpu", "cpu_kv_cache_space_gib": 0.05} if device == "cpu" else {}
     cfg = GRPOConfig(
         output_dir=str(output_dir), num_generations=NUM_GENERATIONS, per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GLOBAL_MICRO_BATCHES // world_size, max_completion_length=8,
         max_prompt_length=32, learning_rate=1e-2, max_steps=4, temperature=1.0, report_to="none",
         gradient_checkpointing=False, lr_scheduler_type="constant", seed=0, loss_type="dapo",
-        vllm_gpu_memory_utilization=0.1, save_steps=10**6, fsdp=fsdp,
+        vllm_gpu_memory_utilization=0.1, save_steps=10**6, fsdp=fsdp, bf16=False,
     )
     return GRPOTrainer(tied_model(), target_share, cfg, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                       processing_class=make_tokenizer(),
-                       engine_kwargs={"device": "cpu", "cpu_kv_cache_space_gib": 0.05})
+                       processing_class=make_tokenizer(), engine_kwargs=engine)
 
 
 def _full_weights(trainer: GRPOTrainer) -> dict:
@@ -170,3 +170,41 @@ def test_fsdp_without_a_process_group_says_how_to_launch(tmp_path):
 def test_local_rows_follow_torch_chunk():
     t = torch.arange(10.0).reshape(5, 2)
     assert fsdp_mod.local_rows(t) == (t, slice(0, 5))  # not sharded: every row
+
+
+def _rank_nccl(rank: int, store: str, out: str) -> None:
+    """On 2 GPUs, fp32: the all-reduce trainer and the FSDP trainer see the same rollouts on each
+    rank (same engine, prompts, seeds), so only the gradient reduction differs between them."""
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        replicas = make_trainer(os.path.join(out, "dp"), WORLD, fsdp=False, device="cuda")
+        m_dp = replicas.step()
+        sharded = make_trainer(os.path.join(out, "fsdp"), WORLD, fsdp=True, device="cuda")
+        m_fsdp = sharded.step()
+        full = {k: v.full_tensor() for k, v in sharded.model.state_dict().items()}
+        spy: dict = {}
+        _spy_on_units(sharded, spy)
+        sharded.generator.sync()
+        model = tied_model().cuda()
+        model.load_state_dict(full, strict=False)
+        ref = LLM(model, tokenizer=make_tokenizer(), dtype="float32", gpu_memory_utilization=0.05)
+        engine_equal = all(torch.equal(sharded.llm.llm_engine.model.state_dict()[k], w)
+                           for k, w in ref.llm_engine.model.state_dict().items())
+        diff = max((full[k] - w).abs().max().item() for k, w in replicas.model.state_dict().items() if k in full)
+        torch.save({"loss": (m_dp["loss"], m_fsdp["loss"]), "max_weight_diff": diff,
+                    "engine_equal": engine_equal, "max_gathered": spy["max_gathered"]},
+                   os.path.join(out, f"nccl-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fsdp_on_two_gpus_matches_the_all_reduce_trainer(tmp_path):
+    torch.multiprocessing.spawn(_rank_nccl, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"nccl-rank{rank}.pt", weights_only=False)
+        assert got["loss"][1] == pytest.approx(got["loss"][0], abs=1e-5)
+        assert got["max_weight_diff"] < 1e-5
+        assert got["engine_equal"] and got["max_gathered"] == 1
