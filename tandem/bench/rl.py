@@ -1,5 +1,7 @@
 """`tandem bench rl`: seconds per GRPO step for tandem's colocated trainer and, with `--compare trl`,
 TRL's GRPOTrainer (use_vllm=False: transformers `generate`) on the same model, prompts and batch.
+`--compare colocate,server` times colocated data parallel against server mode on two GPUs
+(rl_modes.py, where the exact command lines are).
 
 Workload grpo-1.5b (BENCHMARKS.md): Qwen2.5-1.5B architecture, random weights, 32 prompts x 8
 generations per step, 128 prompt tokens, 256 completion tokens, full fine-tune in bf16, beta 0.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import time
@@ -28,8 +31,13 @@ class RLBenchConfig:
     completion_len: int = 256
     micro_batch: int = 32
     steps: int = 4  # timed steps after one warm-up step
-    compare: str = ""  # "trl"
+    compare: str = ""  # "trl", or "colocate,server" (rl_modes.py)
+    device: str = "cuda"  # colocate,server only: "cpu" runs both modes on gloo ranks and a CPU server
+    fsdp: bool = False  # colocate mode: the ranks shard with FSDP2 instead of keeping replicas
     gpu_memory_utilization: float = 0.35
+    server_gpu_memory_utilization: float = 0.9  # server mode: the server has its GPU to itself
+    server_timeout_s: float = 600.0  # for `tandem serve` to load and listen
+    cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
     sleep_level: int = 1
     gradient_checkpointing: bool = True
     seed: int = 0
@@ -45,31 +53,46 @@ def even_token_reward(completions, **kwargs):
     return out
 
 
+def _hf_config(cfg: RLBenchConfig):
+    """The architecture: a preset name or a local HF model dir (its weights are not used)."""
+    from tandem.models.presets import preset_config
+
+    hf_config = preset_config(cfg.model)
+    if hf_config is None and os.path.isfile(os.path.join(cfg.model, "config.json")):
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(cfg.model)  # its architecture; weights stay random
+    if hf_config is None:
+        raise ValueError(f"model must be an architecture preset name or an HF model dir, got {cfg.model!r}")
+    return hf_config
+
+
 def _model_and_data(cfg: RLBenchConfig):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
     from tandem.models.loader import init_dummy_weights
-    from tandem.models.presets import preset_config
 
-    hf_config = preset_config(cfg.model)
-    if hf_config is None:
-        raise ValueError(f"model must be an architecture preset name, got {cfg.model!r}")
+    hf_config = _hf_config(cfg)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     init_dummy_weights(model, cfg.seed)
     tok = synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id)
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts * (cfg.steps + 2)
-    prompts = [ids_to_text([rng.randint(100, 30000) for _ in range(cfg.prompt_len)]) for _ in range(n)]
+    low, high = min(100, hf_config.vocab_size // 4), min(30000, hf_config.vocab_size - 1)
+    prompts = [ids_to_text([rng.randint(low, high) for _ in range(cfg.prompt_len)]) for _ in range(n)]
     return model, tok, Dataset.from_dict({"prompt": prompts})
 
 
 def _batching(cfg: RLBenchConfig) -> dict:
     per_step = cfg.num_prompts * cfg.num_generations
-    return dict(num_generations=cfg.num_generations, per_device_train_batch_size=cfg.micro_batch,
-                gradient_accumulation_steps=per_step // cfg.micro_batch, max_completion_length=cfg.completion_len,
-                learning_rate=1e-6, beta=0.0, temperature=1.0, bf16=torch.cuda.is_available(), seed=cfg.seed,
-                gradient_checkpointing=cfg.gradient_checkpointing, max_steps=cfg.steps + 1, logging_steps=1)
+    return {
+        "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
+        "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
+        "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
+        "seed": cfg.seed, "gradient_checkpointing": cfg.gradient_checkpointing, "max_steps": cfg.steps + 1,
+        "logging_steps": 1,
+    }
 
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
@@ -147,12 +170,16 @@ def _summary(steps: list[dict], cfg: RLBenchConfig) -> dict:
 def run(cfg: RLBenchConfig) -> dict:
     from tandem.bench.report import finish, make_report
 
+    if set(cfg.compare.split(",")) & {"colocate", "server"}:
+        from tandem.bench.rl_modes import run_modes
+
+        return run_modes(cfg)
     if not torch.cuda.is_available():
         raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU")
     results = {}
     for name in [c for c in cfg.compare.split(",") if c] + ["tandem"]:
         if name not in ("trl", "tandem"):
-            raise ValueError(f"compare must list 'trl', got {name!r}")
+            raise ValueError(f"compare must be 'trl' or 'colocate,server', got {name!r}")
         results[name] = run_trl(cfg) if name == "trl" else run_tandem(cfg)
         gc.collect()
         torch.cuda.empty_cache()
@@ -173,9 +200,16 @@ def run(cfg: RLBenchConfig) -> dict:
 
 def add_parser(subparsers) -> None:
     d = RLBenchConfig()
-    p = subparsers.add_parser("rl", help="GRPO step time (grpo-1.5b), tandem vs TRL")
+    p = subparsers.add_parser("rl", help="GRPO step time (grpo-1.5b): tandem vs TRL, colocate vs server")
     for f in ("model", "compare", "output"):
         p.add_argument("--" + f, default=getattr(d, f))
+    p.add_argument("--device", choices=("cuda", "cpu"), default=d.device,
+                   help="--compare colocate,server only: cpu runs both modes on the CPU")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
+                   help="colocate mode: FSDP2-sharded trainers instead of replicas")
+    p.add_argument("--server-gpu-memory-utilization", type=float, default=d.server_gpu_memory_utilization)
+    p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s)
+    p.add_argument("--cpu-kv-cache-space-gib", type=float, default=d.cpu_kv_cache_space_gib)
     for f in ("num_prompts", "num_generations", "prompt_len", "completion_len", "micro_batch", "steps",
               "sleep_level", "seed"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))

@@ -100,9 +100,15 @@ def save_checkpoint(
     scheduler: Any = None,
     trainer_state: dict[str, Any] | None = None,
     save_total_limit: int | None = None,
+    model_state_dict: dict[str, torch.Tensor] | None = None,
+    optimizer_state_dict: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint-<step> atomically and return its path. trainer_state must be JSON-able
-    (global step, sampler position, config, ...); the global step is stored as "global_step"."""
+    (global step, sampler position, config, ...); the global step is stored as "global_step".
+
+    Sharded (FSDP) training passes the gathered full state dicts: the model's weights are then
+    `model_state_dict` (written by `model.save_pretrained`), the optimizer's `optimizer_state_dict`.
+    """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root)
@@ -110,11 +116,13 @@ def save_checkpoint(
     tmp = root / f"{_TMP_PREFIX}{step}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, state_dict=model_state_dict)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        if optimizer_state_dict is None and optimizer is not None:
+            optimizer_state_dict = optimizer.state_dict()
+        if optimizer_state_dict is not None:
+            torch.save(optimizer_state_dict, tmp / OPTIMIZER)
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / SCHEDULER)
         torch.save(rng_state(), tmp / RNG_STATE)
@@ -189,8 +197,8 @@ def _fsync_dir(path: Path) -> None:
 # ---- loading ----------------------------------------------------------------------------------
 
 
-def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
-    """Load a checkpoint's safetensors (single or sharded) into an existing model, in place."""
+def read_model_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors (single or sharded) as one state dict, on the host."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -204,6 +212,12 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(str(path / name)))
+    return state
+
+
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load a checkpoint's safetensors (single or sharded) into an existing model, in place."""
+    state = read_model_weights(path)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches

@@ -94,6 +94,11 @@ class GRPOConfig:
     vllm_tensor_parallel_size: int = 1
     vllm_max_model_length: int | None = None
 
+    # Data parallelism under torchrun. False: every rank keeps a full replica and gradients are
+    # all-reduced. True: FSDP2 shards parameters, gradients and optimizer state over the ranks
+    # (one unit per decoder layer; transformers' TrainingArguments.fsdp, version 2).
+    fsdp: bool = False
+
     # Logging and checkpoints.
     logging_steps: int = 1
     report_to: list[str] | tuple[str, ...] | str = ("jsonl", "tensorboard")  # or "all", "none"
@@ -276,6 +281,11 @@ class GRPOConfig:
             raise ValueError(_choice_msg("vllm_mode", self.vllm_mode, VLLM_MODES))
         if self.vllm_mode == "server" and not self.vllm_server_base_url:
             raise ValueError("vllm_mode='server' needs vllm_server_base_url (the `tandem serve` URL)")
+        if self.fsdp and self.vllm_mode != "colocate":
+            raise ValueError(
+                "fsdp=True shards the colocated data-parallel trainer (each rank's engine gathers "
+                "the weights); with vllm_mode='server' use fsdp=False"
+            )
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ValueError(
                 "vllm_gpu_memory_utilization must be in (0, 1], got "

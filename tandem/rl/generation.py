@@ -14,9 +14,9 @@ from tandem.sampling_params import SamplingParams
 
 
 class ColocatedGenerator:
-    def __init__(self, llm, model, sleep_level: int | None):
+    def __init__(self, llm, model, sleep_level: int | None, weights=None):
         self.llm = llm
-        self.weight_sync = WeightSync(llm, model)
+        self.weight_sync = WeightSync(llm, model, weights)
         self.sleep_level = sleep_level  # None: never sleep
 
     @property
@@ -50,9 +50,10 @@ class ServerGenerator:
     """Rollouts from a `tandem serve` started with --enable-admin-api (and, for IS correction at
     temperature != 1, --logprobs-mode processed_logprobs)."""
 
-    def __init__(self, client, model, backend: str):
+    def __init__(self, client, model, backend: str, dtype=None):
         self.client = client
         self.model = model
+        self.dtype = dtype  # weights are sent in the engine's dtype (bf16 halves the bytes of fp32)
         self.client.init_communicator(backend)
         self.stale = True
         self.weights_version = 0
@@ -62,7 +63,7 @@ class ServerGenerator:
 
     def sync(self) -> None:
         if self.stale:
-            self.client.push_weights(self.model)
+            self.client.push_weights(self.model, dtype=self.dtype)
             self.weights_version += 1
             self.stale = False
 

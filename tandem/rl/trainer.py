@@ -7,6 +7,8 @@ group-relative advantages -> loss (clip, IS correction, optional KL) -> optimize
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -19,11 +21,17 @@ from tandem.rl import checkpoint as ckpt
 from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
+from tandem.rl.generation import ColocatedGenerator, ServerGenerator
 from tandem.rl.logging import MetricsLogger
-from tandem.rl.loss import completion_logps, group_advantages, grpo_loss, loss_kwargs_from_config, reward_metrics
+from tandem.rl.loss import (
+    completion_logps,
+    group_advantages,
+    grpo_loss,
+    loss_kwargs_from_config,
+    reward_metrics,
+)
 from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
-from tandem.rl.generation import ColocatedGenerator, ServerGenerator
 from tandem.sampling_params import SamplingParams
 
 
@@ -60,6 +68,21 @@ class GRPOTrainer:
         if args.gradient_checkpointing and self.device.type == "cuda":
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.model.config.use_cache = False
+        self.llm = None
+        if args.vllm_mode == "colocate":  # built from the full model, before any sharding
+            self.llm = self._build_engine(engine_kwargs or {})
+        engine_weights = None  # None: the engine reads the (unsharded) model itself
+        if args.fsdp:
+            from tandem.rl import fsdp  # torch.distributed.fsdp: a second's import, only when used
+
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    fsdp.apply_fsdp(m, self.device, self.use_bf16)
+            self.reduce_grads, self.clip_grad_norm = (lambda model: None), fsdp.clip_grad_norm_
+            engine_weights = functools.partial(fsdp.full_weights, self.model)  # one unit at a time
+        else:
+            self.reduce_grads = self.dist.all_reduce_grads
+            self.clip_grad_norm = lambda params, max_norm: float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay,
@@ -74,17 +97,15 @@ class GRPOTrainer:
             args.lr_scheduler_type, self.optimizer,
             num_warmup_steps=math.ceil(args.warmup_ratio * self.max_steps), num_training_steps=self.max_steps,
         )
-        self.llm = None
         if args.vllm_mode == "server":
             from tandem.rl.server_client import ServerClient
 
             client = ServerClient(args.vllm_server_base_url, args.vllm_server_api_key)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.generator = ServerGenerator(client, self.model, backend)
+            self.generator = ServerGenerator(client, self.model, backend, torch.bfloat16 if self.use_bf16 else None)
         else:
-            self.llm = self._build_engine(engine_kwargs or {})
             sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
-            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level)
+            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights)
         self.sampling_params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
@@ -133,12 +154,12 @@ class GRPOTrainer:
         from tandem import LLM
 
         a = self.args
-        kwargs = dict(
-            tokenizer=self.tokenizer, dtype="bfloat16" if self.use_bf16 else "float32",
-            max_model_len=a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
-            gpu_memory_utilization=a.vllm_gpu_memory_utilization, enable_sleep_mode=a.vllm_enable_sleep_mode,
-            seed=a.seed, logprobs_mode="processed_logprobs", max_num_seqs=max(8, a.generation_batch_size),
-        )
+        kwargs = {
+            "tokenizer": self.tokenizer, "dtype": "bfloat16" if self.use_bf16 else "float32",
+            "max_model_len": a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
+            "gpu_memory_utilization": a.vllm_gpu_memory_utilization, "enable_sleep_mode": a.vllm_enable_sleep_mode,
+            "seed": a.seed, "logprobs_mode": "processed_logprobs", "max_num_seqs": max(8, a.generation_batch_size),
+        }
         kwargs.update(engine_kwargs)
         llm = LLM(self.model, **kwargs)
         if a.vllm_enable_sleep_mode:
@@ -202,7 +223,7 @@ class GRPOTrainer:
     def _train_on(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
         a = self.args
         data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
-        N, T = data["completion_mask"].shape
+        N = data["completion_mask"].shape[0]
         mb = a.per_device_train_batch_size
         micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
         needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
@@ -232,10 +253,10 @@ class GRPOTrainer:
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
                     count += 1
-                self.dist.all_reduce_grads(self.model)
+                self.reduce_grads(self.model)  # FSDP has reduce-scattered them during backward
                 if a.max_grad_norm:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(
-                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)) * len(group)
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + self.clip_grad_norm(
+                        self.model.parameters(), a.max_grad_norm) * len(group)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -280,15 +301,21 @@ class GRPOTrainer:
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def save_checkpoint(self):
-        """Rank 0 writes (the replicas and their optimizer states are identical); all ranks return
-        its path once it is complete."""
+        """Rank 0 writes (replicas are identical; FSDP shards are gathered to it first); all ranks
+        return its path once it is complete."""
         state = {"sampler": self.sampler.state_dict(), "config": self.args.to_dict(),
                  "weights_version": self.generator.weights_version, "world_size": self.dist.world_size}
         path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
+        model_state = optimizer_state = None
+        if self.args.fsdp:
+            from tandem.rl import fsdp
+
+            model_state, optimizer_state = fsdp.gather_state_dicts(self.model, self.optimizer)
         if self.dist.is_main:
             path = ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
                                         optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
-                                        save_total_limit=self.args.save_total_limit)
+                                        save_total_limit=self.args.save_total_limit,
+                                        model_state_dict=model_state, optimizer_state_dict=optimizer_state)
         self.dist.barrier()
         return path
 
@@ -299,7 +326,19 @@ class GRPOTrainer:
                 else resume_from_checkpoint)
         if path is None:
             raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        written = json.loads((Path(path) / ckpt.TRAINER_STATE).read_text())["config"].get("fsdp", False)
+        if written != self.args.fsdp:  # the optimizer state is keyed differently (names vs indices)
+            raise ValueError(f"{path} was written with fsdp={written}; resume it with fsdp={written}")
+        if self.args.fsdp:
+            from tandem.rl import fsdp
+
+            state = ckpt.load_checkpoint(path, scheduler=self.scheduler)
+            # Rank 0 reads the full weights and optimizer state; each rank keeps its shards.
+            weights = ckpt.read_model_weights(path) if self.dist.is_main else {}
+            optim = torch.load(Path(path) / ckpt.OPTIMIZER, map_location="cpu", weights_only=True) if self.dist.is_main else {}
+            fsdp.scatter_state_dicts(self.model, self.optimizer, weights, optim)
+        else:
+            state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
         self.global_step = int(state["global_step"])
         self.generator.mark_stale()

@@ -3,17 +3,26 @@
 TRL once shipped a sleep-mode path whose sync stopped without a word, and runs trained on rollouts
 of the base model. Here every sync bumps the engine's weights_version, and a sampled tensor of the
 engine is compared with the trainer's after the copy: a mismatch raises at once.
+
+A sharded (FSDP) trainer hands in `weights`: a callable giving (HF name, full tensor) pairs lazily,
+one FSDP unit gathered at a time (`tandem.rl.fsdp.full_weights`). They go to the engine in one
+`load_weights` call, which copies each tensor as it arrives: one weights version per sync, and a
+level-2 sleep (which needs every weight at once) refills from it too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
 
 import torch
 
 
 class WeightSync:
-    def __init__(self, llm, model: torch.nn.Module):
+    def __init__(self, llm, model: torch.nn.Module,
+                 weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None):
         self.llm = llm
         self.model = model
+        self.weights = weights  # None: the engine reads the (unsharded) model itself
         self.stale = True  # the engine's weights may differ from the trainer's
         self.num_syncs = 0
 
@@ -36,7 +45,10 @@ class WeightSync:
     def _copy(self) -> None:
         engine = self.llm.llm_engine
         before = engine.weights_version
-        self.llm.update_weights_from_model(self.model)
+        if self.weights is None:
+            self.llm.update_weights_from_model(self.model)
+        else:
+            self.llm.load_weights(self.weights())
         if engine.weights_version != before + 1:
             raise RuntimeError("weight sync did not reach the engine (weights_version did not move)")
         self._verify()
@@ -44,8 +56,14 @@ class WeightSync:
         self.num_syncs += 1
 
     def _verify(self) -> None:
-        """The engine's embedding must equal the trainer's, up to the engine's dtype."""
+        """The engine's embedding must equal the trainer's, up to the engine's dtype (under FSDP:
+        the rows of this rank's shard)."""
         ours = self.model.get_input_embeddings().weight
         theirs = self.llm.llm_engine.model.model.embed_tokens.weight
+        if hasattr(ours, "to_local"):  # a DTensor shard
+            from tandem.rl.fsdp import local_rows
+
+            ours, rows = local_rows(ours)
+            theirs = theirs[rows]
         if not torch.equal(ours.to(theirs.dtype), theirs):
             raise RuntimeError("after the weight sync the engine's embedding differs from the trainer's")

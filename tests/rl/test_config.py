@@ -79,6 +79,8 @@ def test_generation_batch_is_derived_either_way():
         ({"engine_sleep_level": 3}, "engine_sleep_level must be 1"),
         ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
         ({"vllm_mode": "remote"}, "vllm_mode must be one of"),
+        ({"fsdp": True, "vllm_mode": "server", "vllm_server_base_url": "http://h:8000"},
+         "with vllm_mode='server' use fsdp=False"),
         ({"report_to": ["wandb"]}, "report_to entry must be one of"),
         ({"save_total_limit": 0}, "save_total_limit must be >= 1"),
         ({"beta": -1.0}, "beta must be >= 0"),

@@ -1,9 +1,11 @@
 """GRPOTrainer end to end on a CPU: a tiny model learns from the engine's rollouts; resume is exact."""
 
+import json
+
 import pytest
 from datasets import Dataset
-
 from model_fixtures import make_tiny_model, make_tokenizer
+
 from tandem.rl import GRPOConfig, GRPOTrainer
 
 TARGET = 42  # reward: share of completion tokens equal to this id
@@ -18,12 +20,12 @@ def make_trainer(tmp_path, **overrides):
     model = make_tiny_model("llama", seed=3)
     prompts = ["Hello, my name is", "The capital of France is", "What is 2 + 3?", "Once upon a time",
                "one two three", "The answer is", "I generate text", "small model"]
-    cfg = dict(
-        output_dir=str(tmp_path), num_generations=8, per_device_train_batch_size=16,
-        gradient_accumulation_steps=2, max_completion_length=8, max_prompt_length=32, learning_rate=1e-2,
-        max_steps=12, temperature=1.0, report_to="none", gradient_checkpointing=False,
-        lr_scheduler_type="constant", seed=0, vllm_gpu_memory_utilization=0.1, save_steps=10**6,
-    )
+    cfg = {
+        "output_dir": str(tmp_path), "num_generations": 8, "per_device_train_batch_size": 16,
+        "gradient_accumulation_steps": 2, "max_completion_length": 8, "max_prompt_length": 32, "learning_rate": 1e-2,
+        "max_steps": 12, "temperature": 1.0, "report_to": "none", "gradient_checkpointing": False,
+        "lr_scheduler_type": "constant", "seed": 0, "vllm_gpu_memory_utilization": 0.1, "save_steps": 10**6,
+    }
     cfg.update(overrides)
     return GRPOTrainer(model, target_share, GRPOConfig(**cfg), train_dataset=Dataset.from_dict({"prompt": prompts}),
                        processing_class=tok, engine_kwargs={"device": "cpu"})
@@ -63,6 +65,17 @@ def test_resume_gives_the_same_next_step(tmp_path):
     got = resumed.step()
     assert got["reward"] == pytest.approx(expected["reward"], abs=1e-6)
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+
+
+def test_a_checkpoint_resumes_only_with_the_fsdp_setting_it_was_written_with(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2)
+    path = trainer.save_checkpoint()
+    state_file = path / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["fsdp"] = True  # as an FSDP run writes it: optimizer state keyed by name
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="fsdp=True"):
+        make_trainer(tmp_path, max_steps=2)._resume(str(path))
 
 
 def test_bad_configuration_is_refused_before_training(tmp_path):
