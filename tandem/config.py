@@ -40,6 +40,9 @@ class EngineConfig:
     # Launch each step before reading back the previous one's tokens (vLLM's async scheduling):
     # None turns it on where the device runs asynchronously to the host (CUDA).
     async_scheduling: bool | None = None
+    # Streamed (delta / cumulative) outputs of an unfinished request every this many tokens: fewer,
+    # larger chunks cost the server less per token (vLLM's stream_interval).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(
                 f"sleep_mode_backend must be 'auto', 'cumem' or 'recapture', got {self.sleep_mode_backend!r}"
             )
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

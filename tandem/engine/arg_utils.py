@@ -20,6 +20,9 @@ _HELP = {
     "load_format": "auto | dummy (random weights) | safetensors | pt | gguf",
     "enforce_eager": "no CUDA graphs",
     "attention_backend": "auto | torch | triton",
+    "async_scheduling": "launch each step before the previous one's tokens are read back "
+    "(default: on for CUDA)",
+    "stream_interval": "streamed outputs every this many tokens (fewer, larger chunks)",
 }
 _SKIP_POSITIONAL = {"model"}
 

@@ -18,7 +18,7 @@ from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_d
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sleep_mode import WeightStore
-from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.stop_checker import check_stop, find_stop_string
 from tandem.models.loader import (
     ModelSource,
@@ -49,7 +49,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        for s in self.seqs:  # a plain loop: this runs for every streamed output
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
 
 class LLMEngine(ColocationMixin):
@@ -299,6 +302,7 @@ class LLMEngine(ColocationMixin):
         if sampled is None:
             return
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
+        interval = self.config.stream_interval
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if not smp:
@@ -318,8 +322,10 @@ class LLMEngine(ColocationMixin):
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
             self._check_finished(state, seq)
-            # final_only requests produce an output only when a sample finishes
-            if state.output_kind != "final_only" or seq.is_finished:
+            # final_only requests produce an output only when a sample finishes; streamed ones
+            # every stream_interval tokens
+            if seq.is_finished or (state.output_kind != "final_only" and
+                                   seq.num_output_tokens - state.sent_tokens[seq.index] >= interval):
                 touched[seq.request_id] = state
 
     def _check_finished(self, state: RequestState, seq: Sequence) -> None:
@@ -357,7 +363,7 @@ class LLMEngine(ColocationMixin):
                 CompletionOutput(
                     index=i,
                     text=text[start_chr:],
-                    token_ids=seq.output_token_ids[start_tok:],
+                    token_ids=seq.token_ids[seq.num_prompt_tokens + start_tok :],
                     cumulative_logprob=seq.cumulative_logprob,
                     logprobs=self._logprobs(seq, start_tok),
                     finish_reason=seq.finish_reason,

@@ -164,11 +164,25 @@ class ServerClient:
     def close_communicator(self) -> None:
         """Close the group on both sides (the server's half even when ours is gone already)."""
         comm, self.comm = self.comm, None
+        errors: list[BaseException] = []
+
+        def close_remote() -> None:
+            try:
+                self.request("POST", "/close_communicator", timeout=60)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
+                errors.append(e)
+
+        # Both halves at once: NCCL's teardown may wait for the peer's, so closing one side after
+        # the other's reply would deadlock.
+        remote = threading.Thread(target=close_remote, name="close-communicator", daemon=True)
+        remote.start()
         try:
-            self.request("POST", "/close_communicator", timeout=60)
-        finally:
             if comm is not None:
                 comm.close()
+        finally:
+            remote.join(timeout=70)
+        if errors:
+            raise errors[0]
 
     def _paired(
         self,

@@ -123,6 +123,28 @@ def test_streamed_deltas_equal_final_text_and_hold_back_stop_strings(tiny_llama_
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stream_interval_coalesces_deltas(tiny_llama_dir, async_scheduling):
+    llm = LLM(tiny_llama_dir, stream_interval=4, async_scheduling=async_scheduling)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    final = llm.generate(["The capital of"], params, use_tqdm=False)[0].outputs[0]
+    engine.add_request("s", "The capital of", params, output_kind="delta")
+    chunks = []
+    while engine.has_unfinished_requests():
+        chunks += [out.outputs[0] for out in engine.step()]
+    assert [len(c.token_ids) for c in chunks] == [4, 4, 2]  # every 4 tokens, then the rest
+    assert sum((c.token_ids for c in chunks), []) == final.token_ids
+    assert "".join(c.text for c in chunks) == final.text
+    assert chunks[-1].finish_reason == "length"
+    assert_no_leak(llm)
+
+
+def test_stream_interval_must_be_positive():
+    with pytest.raises(ValueError, match="stream_interval"):
+        LLM(make_tiny_model("llama"), stream_interval=0)
+
+
 def test_bad_values_are_refused():
     for kwargs in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"seed": 2**64},
                    {"top_k": 2**40}):

@@ -73,7 +73,10 @@ def _spy_on_units(trainer: GRPOTrainer, record: dict) -> None:
 def _rank(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    save = (lambda obj, name: torch.save(obj, os.path.join(out, f"{name}-rank{rank}.pt")))
+
+    def save(obj, name):
+        torch.save(obj, os.path.join(out, f"{name}-rank{rank}.pt"))
+
     try:
         trainer = make_trainer(os.path.join(out, "straight"), WORLD, fsdp=True)
         assert isinstance(trainer.model.model.embed_tokens.weight, DTensor)
