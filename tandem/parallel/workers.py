@@ -158,6 +158,11 @@ class _DriverState:
             # In a thread: a rank stuck elsewhere (interrupted generate) must not hang the driver.
             sender = threading.Thread(target=self._send_shutdown, daemon=True)
             sender.start()
+            sender.join(timeout=30)
+            # The ranks now tear down their process groups. NCCL's teardown can wait for every
+            # rank's (on 2 H200s a worker sat in it until killed), so the driver tears its own
+            # down now, beside theirs, not after joining them.
+            self._destroy_world()
             for p in self.procs:
                 p.join(timeout=30)
         for p in self.procs:  # not yet in their loop (or stuck): no graceful way out
@@ -166,10 +171,13 @@ class _DriverState:
                 p.join(timeout=5)
         if sender is not None:
             sender.join(timeout=5)
-        if self.owns_world and dist.is_initialized():
-            dist.destroy_process_group()
+        self._destroy_world()
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _destroy_world(self) -> None:
+        if self.owns_world and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _send_shutdown(self) -> None:
         try:
