@@ -42,3 +42,21 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+    def add(self, next_output: RequestOutput) -> None:
+        """Fold a later delta output of the same request into this one (vLLM's aggregating
+        `RequestOutput.add`): text, token ids and logprobs appended, finish state taken over."""
+        mine = {c.index: c for c in self.outputs}
+        for nxt in next_output.outputs:
+            c = mine.get(nxt.index)
+            if c is None:
+                self.outputs.append(nxt)
+                continue
+            c.text += nxt.text
+            c.token_ids = c.token_ids + nxt.token_ids
+            if c.logprobs is not None and nxt.logprobs is not None:
+                c.logprobs = c.logprobs + nxt.logprobs
+            c.cumulative_logprob = nxt.cumulative_logprob
+            c.finish_reason = nxt.finish_reason
+            c.stop_reason = nxt.stop_reason
+        self.finished = next_output.finished

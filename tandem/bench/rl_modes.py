@@ -121,6 +121,7 @@ def _colocate_rank(rank: int, cfg, work: str, out: Path) -> None:
         if rank == 0:
             result["engine_memory"] = trainer.llm.memory_report()
             out.write_text(json.dumps(result))
+        dist.barrier()  # tear down together: a rank leaving its store early can abort the other
     finally:
         dist.destroy_process_group()
 

@@ -1,13 +1,15 @@
 """RequestStream: the caller's side of requests submitted together to the AsyncLLM.
 
 The engine thread drops outputs into the stream's asyncio queue; the caller iterates
-(index, RequestOutput) pairs. Latency metrics are observed here, as the server sees each output.
+(index, RequestOutput) pairs. Deltas that pile up while the caller is busy leave as one (vLLM's
+output coalescing). Latency metrics are observed here, as the server sees each output.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,17 @@ class RequestStream:
         self._t0 = time.perf_counter()
         self._last = [0.0] * len(requests)
 
+    def _coalesce(self, i: int, item: RequestOutput, held: deque) -> RequestOutput:
+        """Fold deltas of request `i` that queued up while the previous chunk was being sent into
+        one: when the client side falls behind the engine, chunks grow instead of the backlog."""
+        while not item.finished and not self.queue.empty():
+            j, nxt = self.queue.get_nowait()
+            if j != i or isinstance(nxt, BaseException):
+                held.append((j, nxt))
+                break
+            item.add(nxt)
+        return item
+
     def abort(self) -> None:
         self._llm.abort([self.request_ids[i] for i in self.unfinished])
         self.unfinished.clear()
@@ -48,9 +61,12 @@ class RequestStream:
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         metrics = self._llm.metrics
+        held: deque[tuple[int, RequestOutput | BaseException]] = deque()
         try:
             while self.unfinished:
-                i, item = await self.queue.get()
+                i, item = held.popleft() if held else await self.queue.get()
+                if self.output_kind == "delta" and not isinstance(item, BaseException):
+                    item = self._coalesce(i, item, held)
                 if isinstance(item, BaseException):
                     self.unfinished.discard(i)
                     raise item

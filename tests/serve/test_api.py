@@ -56,7 +56,9 @@ def test_metrics(server):
     assert m[f"tandem:kv_cache_usage_perc{{{label}}}"] == 0.0
     assert m[f"tandem:generation_tokens_total{{{label}}}"] >= 13
     assert m[f"tandem:time_to_first_token_seconds_count{{{label}}}"] >= 2
-    assert m[f"tandem:inter_token_latency_seconds_count{{{label}}}"] >= 8
+    # one per gap between streamed chunks: at most 4 per 5-token request, fewer where deltas that
+    # queued up left as one chunk (output coalescing)
+    assert 2 <= m[f"tandem:inter_token_latency_seconds_count{{{label}}}"] <= 8
     assert m[f"tandem:e2e_request_latency_seconds_count{{{label}}}"] >= 3
     assert m[f'tandem:request_success_total{{{label},finished_reason="length"}}'] >= 3
     assert 0 < m[f"tandem:prefix_cache_hit_rate{{{label}}}"] < 1  # the second prompt hit
