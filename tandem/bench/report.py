@@ -217,6 +217,23 @@ def progress(total: int, description: str, enabled: bool = True):
     return bar, task
 
 
+def pyplot():
+    """matplotlib's pyplot on the Agg backend: files only, no display needed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path) -> None:
+    """Write `fig` as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+
+
 def plot_timeline(
     path: str,
     timeline: list[tuple[float, int]],
@@ -225,11 +242,7 @@ def plot_timeline(
     t0: float,
 ) -> None:
     """Requests in flight and each GPU's utilization over the run, on one time axis."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(9, 4))
     if timeline:
@@ -255,9 +268,7 @@ def plot_timeline(
         ax2.set_ylabel("GPU utilization (%)")
         ax2.legend(loc="upper right")
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def finish(report: dict, output: str | None) -> int:

@@ -8,15 +8,6 @@ from pathlib import Path
 from tandem.bench import report as rp
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _series(points: list[dict]) -> dict[str, list[dict]]:
     """Points grouped by launch grid point, each group in increasing load."""
     groups: dict[str, list[dict]] = {}
@@ -95,7 +86,7 @@ def sweet_spot_line(res: dict) -> str:
 
 def plot_latency_vs_load(report: dict, path: str | Path) -> None:
     """TTFT and TPOT (median and p99) against the request rate reached, one curve per grid point."""
-    plt = _plt()
+    plt = rp.pyplot()
     res = report["results"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for (key, title), ax in zip((("ttft", "TTFT"), ("tpot", "TPOT")), axes):
@@ -118,14 +109,12 @@ def plot_latency_vs_load(report: dict, path: str | Path) -> None:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    rp.save_figure(fig, path)
 
 
 def plot_pareto(report: dict, path: str | Path) -> None:
     """Output tok/s per user against per GPU; the frontier joined, the sweet spot starred."""
-    plt = _plt()
+    plt = rp.pyplot()
     res = report["results"]
     pts = res["points"]
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -161,9 +150,7 @@ def plot_pareto(report: dict, path: str | Path) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    rp.save_figure(fig, path)
 
 
 def write_markdown(report: dict, path: str | Path) -> None:

@@ -14,16 +14,14 @@ from tandem.layers.sampler import SamplerOutput
 
 class AsyncSamplerOutput:
     def __init__(self, sampled: SamplerOutput, reads_history: bool = False):
-        self.token_ids = sampled.token_ids
+        self.token_ids = sampled.token_ids  # device: the next step gathers its inputs from here
         # the next step's sampling needs this one's ids on the host (penalty counts): read first
-        self.reads_history = reads_history  # device: the next step gathers its inputs from here
-        device = sampled.token_ids.device
+        self.reads_history = reads_history
         # float64 holds every token id exactly: one copy carries ids and logprobs
-        packed = [torch.stack([sampled.token_ids.double(), sampled.logprobs.double()])]
-        for t in (sampled.topk_ids, sampled.topk_logprobs, sampled.ranks):
-            packed.append(t)
+        packed = [torch.stack([sampled.token_ids.double(), sampled.logprobs.double()]),
+                  sampled.topk_ids, sampled.topk_logprobs, sampled.ranks]
         self._event = None
-        if device.type == "cuda":
+        if sampled.token_ids.is_cuda:
             self._host = [None if t is None else _to_pinned(t) for t in packed]
             self._event = torch.cuda.Event()
             self._event.record()

@@ -123,9 +123,9 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens under their chained hash."""
-        if not self.enable_prefix_caching:
-            return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
+            return  # the common case, every decode step: no block filled up
         for i in range(seq.num_registered_blocks, num_full):
             h = self._block_hash(seq, i)
             block = self.blocks[seq.block_table[i]]
@@ -133,7 +133,7 @@ class BlockManager:
                 block.hash = h
                 block.token_ids = self._block_tokens(seq, i)
                 self.hash_to_block_id[h] = block.block_id
-        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+        seq.num_registered_blocks = num_full
 
     def _block_tokens(self, seq: Sequence, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])

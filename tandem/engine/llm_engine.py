@@ -213,11 +213,9 @@ class LLMEngine(ColocationMixin):
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
-        eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        eos = frozenset(self.eos_token_ids)
         for i in range(params.n):
-            seq = Sequence(ids, params, request_id, i, leader)
-            seq.max_num_tokens = min(seq.max_num_tokens, self.max_model_len)
-            seq.eos_ids, seq.stop_ids = eos, seq.stop_ids | eos
+            seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, eos)
             leader = leader or seq
             state.seqs.append(seq)
         if output_kind != "final_only" or params.stop_strings:
@@ -298,9 +296,7 @@ class LLMEngine(ColocationMixin):
         out, self._drained = self._drained, []
         return out
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, touched: dict[str, RequestState]) -> None:
-        if sampled is None:
-            return
+    def _postprocess(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput, touched: dict[str, RequestState]) -> None:
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
         interval = self.config.stream_interval
         row = -1
@@ -311,7 +307,7 @@ class LLMEngine(ColocationMixin):
             if not seq.has_placeholder:
                 continue  # finished or aborted meanwhile: this row was computed for nothing
             tok, lp = token_ids[row], logprobs[row]
-            seq.append_token(tok, lp)
+            seq.fill_placeholder(tok, lp)
             if seq.sampling_params.logprobs is not None:
                 entry = {tok: (lp, ranks[row])}
                 k = seq.sampling_params.logprobs

@@ -161,12 +161,12 @@ class ModelRunner:
         unless a row has state that changes every step (penalty counts, min_tokens)."""
         key = tuple(s.seq_id for s in seqs)
         if key == self._sampling_key and self._sampling_meta is not None:
-            self.sampling_reads_history = False
-            return self._sampling_meta
-        m = self._build_sampling(seqs)
+            m = self._sampling_meta
+        else:
+            m = self._build_sampling(seqs)
+            stateful = m.output_counts is not None or m.min_tokens_mask is not None
+            self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
         self.sampling_reads_history = m.output_counts is not None
-        stateful = m.output_counts is not None or m.min_tokens_mask is not None
-        self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
         return m
 
     def _build_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:

@@ -34,7 +34,7 @@ class SchedulerOutput:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
+        return self.total_tokens == len(self.seqs)  # every sequence runs >= 1 token
 
 
 class Scheduler:
@@ -152,15 +152,12 @@ class Scheduler:
         and count each token it samples as generated, a placeholder until its id is read back.
         Sequences that finished meanwhile (async scheduling) are skipped: their blocks are gone."""
         bm = self.block_manager
-        caching = bm.enable_prefix_caching
-        bs = bm.block_size
         running = SequenceStatus.RUNNING
         row = 0
         for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
             if seq.status is running:
                 seq.num_computed_tokens += n
-                if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
-                    bm.cache_full_blocks(seq)
+                bm.cache_full_blocks(seq)
                 if samples:
                     seq.append_placeholder(row)
             row += samples

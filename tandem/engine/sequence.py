@@ -36,6 +36,8 @@ class Sequence:
         request_id: str = "",
         index: int = 0,
         leader: "Sequence | None" = None,
+        max_model_len: int | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
     ):
         self.seq_id = next(Sequence._counter)
         self.request_id = request_id
@@ -61,11 +63,13 @@ class Sequence:
         self.output_text = ""
         self.generator = None  # torch.Generator for a seeded request, made on first sample
         self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
-        # Limits checked every step, computed once. The engine narrows them (max_model_len, EOS).
-        max_tokens = sampling_params.max_tokens
-        self.max_num_tokens = self.num_prompt_tokens + max_tokens if max_tokens is not None else 1 << 62
-        self.eos_ids: frozenset[int] = frozenset()  # the model's EOS ids, unless ignore_eos
-        self.stop_ids = frozenset(sampling_params.stop_token_ids)  # EOS and stop tokens: end it
+        # Limits checked every step, computed once.
+        limits = [max_model_len] if max_model_len is not None else []
+        if sampling_params.max_tokens is not None:
+            limits.append(self.num_prompt_tokens + sampling_params.max_tokens)
+        self.max_num_tokens = min(limits, default=1 << 62)
+        self.eos_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_ids = self.eos_ids | frozenset(sampling_params.stop_token_ids)  # tokens that end it
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -111,12 +115,9 @@ class Sequence:
         if self.has_placeholder:
             self.token_ids.pop()
 
-    def append_token(self, token_id: int, logprob: float) -> None:
-        """Record a sampled token; it takes the place of the placeholder where there is one."""
-        if self.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
-            self.token_ids[-1] = token_id
-        else:
-            self.token_ids.append(token_id)
+    def fill_placeholder(self, token_id: int, logprob: float) -> None:
+        """Record the sampled id of the token counted as a placeholder when its step launched."""
+        self.token_ids[-1] = token_id
         self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob
         if self.first_token_time is None:

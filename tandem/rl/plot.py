@@ -10,11 +10,9 @@ def plot_reward_curve(output_dir: str, path: str | None = None) -> str | None:
     metrics = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
         return None
-    import matplotlib
+    from tandem.bench.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [json.loads(line) for line in open(metrics) if line.strip()]
     steps = [r["step"] for r in rows if r.get("reward") is not None]
     rewards = [r["reward"] for r in rows if r.get("reward") is not None]
@@ -25,7 +23,5 @@ def plot_reward_curve(output_dir: str, path: str | None = None) -> str | None:
     ax.set_title("GRPO reward")
     ax.grid(alpha=0.3)
     path = path or os.path.join(output_dir, "reward_curve.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return path

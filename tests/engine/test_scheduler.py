@@ -16,7 +16,7 @@ def run_step(sched, out, token=7):
     sched.update_from_output(out)
     for s, samples in zip(out.seqs, out.sampling):
         if samples:
-            s.append_token(token, 0.0)
+            s.fill_placeholder(token, 0.0)
 
 
 def test_prefill_then_decode_then_new_arrivals_join():
