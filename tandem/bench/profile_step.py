@@ -25,6 +25,7 @@ STEP = "LLMEngine.step"
 _WAIT = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$")
 # Kernel families by name, for a coarse breakdown (first match wins).
 CATEGORIES = [
+    ("all-reduce", r"nccl|all_?reduce"),
     ("attention", r"decode|prefill_attention|_attn|flash|fmha|merge_kernel"),
     ("sampling", r"sample|rank_kernel|argmax|softmax|logsumexp|exponential|topk|sort|philox"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|matmul|sm\d+_"),

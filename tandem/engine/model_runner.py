@@ -166,6 +166,8 @@ class ModelRunner:
             m = self._build_sampling(seqs)
             stateful = m.output_counts is not None or m.min_tokens_mask is not None
             self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
+        if m.seeded_rows is not None:  # the one per-step input of a seeded row's key
+            m.seed_offsets = self._to_device([seqs[r].num_tokens for r in m.seeded_rows_cpu], torch.int64)
         self.sampling_reads_history = m.output_counts is not None
         return m
 
@@ -191,12 +193,17 @@ class ModelRunner:
             m.top_p = self._to_device([p.top_p for p in params], torch.float32)
         if any(p.min_p > 0.0 for p in params):
             m.min_p = self._to_device([p.min_p for p in params], torch.float32)
-        for row, seq in enumerate(seqs):
-            if seq.sampling_params.seed is not None and not greedy[row]:
-                if seq.generator is None:
-                    seed = seq.sampling_params.seed + seq.index
-                    seq.generator = torch.Generator(device=dev).manual_seed(seed)
-                m.generators[row] = seq.generator
+        seeded = [row for row, seq in enumerate(seqs) if seq.sampling_params.seed is not None and not greedy[row]]
+        if seeded:  # the fused sampler keys these rows on the device
+            m.seeded_rows, m.seeded_rows_cpu = self._to_device(seeded, torch.int64), seeded
+            m.row_seeds = self._to_device([seqs[r].sampling_params.seed + seqs[r].index for r in seeded],
+                                          torch.int64)
+        for row in seeded:  # the torch path's per-row generators (made once per sequence)
+            seq = seqs[row]
+            if seq.generator is None:
+                seed = seq.sampling_params.seed + seq.index
+                seq.generator = torch.Generator(device=dev).manual_seed(seed)
+            m.generators[row] = seq.generator
         rows, cols = [], []
         for row, seq in enumerate(seqs):
             p = seq.sampling_params

@@ -1,8 +1,10 @@
 """Sampler: penalties, temperature, top-k/top-p/min-p and logprobs, all on the device.
 
 Sampling uses the exponential race in log space (Gumbel-max: argmax of logits / T - log Exp(1)),
-which draws from softmax(logits / T) with no host synchronisation; rows with their own seed draw
-their noise from their own generator.
+which draws from softmax(logits / T) with no host synchronisation. Rows with their own seed draw
+their noise from their own generator on the torch path; on the fused path their Philox key is
+derived on the device from (seed, tokens so far), so a batch full of seeded requests (an RL
+rollout: one seed per prompt) costs no per-row work.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [S] int64, vocab size where disabled
     top_p: torch.Tensor | None  # [S] fp32
     min_p: torch.Tensor | None  # [S] fp32
-    generators: dict[int, torch.Generator]  # row -> per-request generator
+    generators: dict[int, torch.Generator]  # row -> per-request generator (torch path)
     max_num_logprobs: int  # top-k logprobs wanted by any row; -1: none
     processed_logprobs: bool
     # (rows, token ids) whose logits are -inf: EOS and stop tokens before min_tokens
@@ -32,6 +34,11 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [S]
     presence_penalty: torch.Tensor | None = None
     frequency_penalty: torch.Tensor | None = None
+    # seeded rows on the fused path: their indices, seeds, and each row's token count this step
+    seeded_rows: torch.Tensor | None = None  # [R] int64
+    seeded_rows_cpu: list[int] | None = None
+    row_seeds: torch.Tensor | None = None  # [R] int64
+    seed_offsets: torch.Tensor | None = None  # [R] int64, set every step
 
 
 @dataclass
@@ -88,6 +95,14 @@ def token_logprobs(
     return logprobs, ranks
 
 
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (splitmix64's increment)
+
+
+def seeded_philox_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Distinct Philox keys for (seed, offset) pairs: seed * golden + offset, wrapping in int64."""
+    return seeds * _GOLDEN + offsets
+
+
 class Sampler(nn.Module):
     """Samples one token per row. On a GPU the common case (temperature only, no penalties, no
     top-k logprobs) is one Triton pass over the logits (`tandem.kernels.sampling`); everything
@@ -125,11 +140,12 @@ class Sampler(nn.Module):
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs, ranks=ranks)
 
     def _seeds(self, num_rows: int, m: SamplingMetadata, device) -> torch.Tensor:
-        """One Philox key per row, from the sampler's generator or the row's own."""
+        """One Philox key per row: from the sampler's generator, or for a seeded row a function of
+        its seed and how many tokens it has (so its draws depend on nothing else)."""
         seeds = torch.empty(num_rows, dtype=torch.int64, device=device)
         seeds.random_(generator=self.generator)
-        for row, gen in m.generators.items():
-            seeds[row : row + 1].random_(generator=gen)
+        if m.seeded_rows is not None:
+            seeds[m.seeded_rows] = seeded_philox_keys(m.row_seeds, m.seed_offsets)
         return seeds
 
     def _torch(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:

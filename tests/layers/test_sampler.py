@@ -17,9 +17,15 @@ def device() -> str:
 def metadata(S, device, greedy=(), seeded=None, temperature=1.0, **kw) -> SamplingMetadata:
     greedy_mask = torch.tensor([i in greedy for i in range(S)], device=device)
     temps = torch.tensor([1.0 if i in greedy else temperature for i in range(S)], device=device)
-    gens = {row: torch.Generator(device=device).manual_seed(s) for row, s in (seeded or {}).items()}
+    seeded = seeded or {}
+    gens = {row: torch.Generator(device=device).manual_seed(s) for row, s in seeded.items()}
     defaults = {"top_k": None, "top_p": None, "min_p": None, "max_num_logprobs": -1,
                 "processed_logprobs": False}
+    if seeded:  # the fused path's keys: (seed, tokens so far)
+        defaults.update(seeded_rows=torch.tensor(list(seeded), device=device),
+                        seeded_rows_cpu=list(seeded),
+                        row_seeds=torch.tensor(list(seeded.values()), device=device),
+                        seed_offsets=torch.zeros(len(seeded), dtype=torch.int64, device=device))
     return SamplingMetadata(temperature=temps, greedy=greedy_mask, all_greedy=len(greedy) == S,
                             generators=gens, **{**defaults, **kw})
 
@@ -75,6 +81,41 @@ def test_greedy_seeded_and_banned_rows(path, device):
         logits[1:2].clone(), metadata(1, device, seeded={0: 5})
     )
     assert alone.token_ids[0].item() == out.token_ids[1].item()
+
+
+def test_seeded_rows_keys_depend_on_seed_and_offset_alone():
+    """A seeded row's Philox key is a function of (seed, tokens so far): the sampler's own
+    generator and the row's place in the batch do not enter, and each new token gets a new key."""
+    m = metadata(5, "cpu", seeded={1: 7, 4: 8})
+    m.seed_offsets = torch.tensor([130, 131])
+    a = Sampler(0, torch.device("cpu"))._seeds(5, m, "cpu")
+    b = Sampler(99, torch.device("cpu"))._seeds(5, m, "cpu")
+    assert a[[1, 4]].tolist() == b[[1, 4]].tolist()
+    assert a[0] != b[0]  # unseeded rows follow the sampler's generator
+    alone = metadata(1, "cpu", seeded={0: 7})
+    alone.seed_offsets = torch.tensor([130])
+    assert Sampler(5, torch.device("cpu"))._seeds(1, alone, "cpu")[0] == a[1]
+    alone.seed_offsets = torch.tensor([131])
+    assert Sampler(5, torch.device("cpu"))._seeds(1, alone, "cpu")[0] != a[1]
+
+
+def test_engine_gives_seeded_rows_their_seed_and_token_count():
+    from model_fixtures import make_tiny_model
+
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(make_tiny_model("llama"), block_size=4)
+    eng = llm.llm_engine
+    eng.add_request("a", [5, 6, 7], SamplingParams(temperature=1.0, max_tokens=4, seed=11, n=2))
+    eng.add_request("b", [8, 9], SamplingParams(temperature=1.0, max_tokens=4))
+    sched = eng.scheduler.schedule()
+    seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
+    m = eng.model_runner.prepare_sampling(seqs)
+    rows = m.seeded_rows_cpu
+    assert sorted(seqs[r].request_id for r in rows) == ["a", "a"]
+    assert sorted(m.row_seeds.tolist()) == [11, 12]  # seed + sample index, as the torch path
+    assert m.seed_offsets.tolist() == [seqs[r].num_tokens for r in rows]
+    eng.abort_request(["a", "b"])
 
 
 def test_fused_path_is_only_for_the_common_case():
