@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 import torch
@@ -69,8 +70,7 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
     report = llm.memory_report()
     engine_bytes = report["weights_bytes"] + report["kv_cache_bytes"]
     freed_share, wake_update, sleep1_wake, identical = [], [], [], True
-    parts: dict[str, list[float]] = {"wake_weights_s": [], "wake_kv_cache_s": [], "wake_kv_cache_map_s": [],
-                                     "update_s": []}
+    parts: dict[str, list[float]] = defaultdict(list)  # wake_<part>_s from wake_up(), update_s
     for _ in range(cfg.repeats):
         torch.cuda.synchronize()
         free0 = torch.cuda.mem_get_info()[0]
@@ -84,9 +84,9 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
         llm.update_weights_from_model(trainer_model)
         torch.cuda.synchronize()
         wake_update.append(time.perf_counter() - t0)
-        parts["wake_weights_s"].append(woke.get("weights_s", 0.0))
-        parts["wake_kv_cache_s"].append(woke.get("kv_cache_s", 0.0))
-        parts["wake_kv_cache_map_s"].append(woke.get("kv_cache_map_s", 0.0))
+        for key in ("weights_s", "kv_cache_s", "kv_cache_map_s", "kv_cache_cu_mem_create_s",
+                    "kv_cache_cu_mem_map_s", "kv_cache_cu_mem_set_access_s"):
+            parts["wake_" + key].append(woke.get(key, 0.0))
         parts["update_s"].append(time.perf_counter() - t1)
         identical &= tokens() == reference
         sleep1_wake.append(_timed(lambda: (llm.sleep(1), llm.wake_up())))
@@ -122,7 +122,10 @@ def run(cfg: ColocationConfig) -> dict:
               f"{r['wake_plus_update_s_median']:>14.3f} {r['sleep1_plus_wake_s_median']:>16.3f} "
               f"{str(r['greedy_identical_after_wake']):>12}")
         print(f"{'':<10} wake: weights {r['wake_weights_s_median']:.3f}s, kv cache "
-              f"{r['wake_kv_cache_s_median']:.3f}s (mapping {r['wake_kv_cache_map_s_median']:.3f}s); "
+              f"{r['wake_kv_cache_s_median']:.3f}s (mapping {r['wake_kv_cache_map_s_median']:.3f}s: "
+              f"cuMemCreate {r['wake_kv_cache_cu_mem_create_s_median']:.3f}s, cuMemMap "
+              f"{r['wake_kv_cache_cu_mem_map_s_median']:.3f}s, cuMemSetAccess "
+              f"{r['wake_kv_cache_cu_mem_set_access_s_median']:.3f}s); "
               f"update_weights_from_model {r['update_s_median']:.3f}s")
     report = make_report("colocation", asdict(cfg), results)
     finish(report, cfg.output)

@@ -75,6 +75,9 @@ class ColocationMixin:
             self.block_manager.reset_prefix_cache()
             timings["kv_cache_s"] = time.perf_counter() - t1
             timings["kv_cache_map_s"] = t2 - t1  # the rest: forgetting the prefix cache
+            buffer = self.model_runner.kv_store.buffer
+            if buffer is not None:  # the driver calls inside the mapping
+                timings.update({f"kv_cache_{k}_s": v for k, v in buffer.last_map_s.items()})
         recaptured = False
         if self.weight_store.resident and self.model_runner.kv_store.resident:
             self.sleep_level = 0

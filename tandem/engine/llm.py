@@ -29,6 +29,8 @@ class LLM:
         # tensor parallel without a process group: spawn ranks 1..N-1, each runs what `mirror` sends
         self.tp_workers, hf_model = start_workers(self.config, hf_model, tok_obj)
         self.llm_engine = LLMEngine(self.config, model=hf_model, tokenizer=tok_obj)
+        if self.tp_workers is not None:
+            self.tp_workers.attach(self.llm_engine.model_runner)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

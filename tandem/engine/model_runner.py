@@ -228,6 +228,17 @@ class ModelRunner:
             m.frequency_penalty = self._to_device([p.frequency_penalty for p in params], torch.float32)
         return m
 
+    def release_cudagraphs(self) -> None:
+        """Drop the captured graphs (they hold NCCL communicators alive under tensor parallel)."""
+        if self.graph_runner is None:
+            return
+        torch.cuda.synchronize(self.device)
+        for graph in self.graph_runner.graphs.values():
+            graph.reset()  # destroys the executable graph now, not whenever refcounts let go
+        self.graph_runner = None
+        torch.cuda.synchronize(self.device)
+        self.graph_bytes = 0
+
     def capture_cudagraphs(self, max_model_len: int) -> float:
         """Capture decode graphs for the batch-size ladder; returns the seconds it took."""
         import time

@@ -140,6 +140,7 @@ class _DriverState:
         self.owns_world = False
         self.synced = False  # every rank has built its engine
         self.closed = False
+        self.runner_ref = None  # weakref to the driver's ModelRunner (its graphs hold the comm)
 
     def sync(self) -> None:
         """First call after construction: wait for every rank's engine, then drop the temp dir."""
@@ -177,6 +178,9 @@ class _DriverState:
 
     def _destroy_world(self) -> None:
         if self.owns_world and dist.is_initialized():
+            runner = self.runner_ref() if self.runner_ref is not None else None
+            if runner is not None:
+                runner.release_cudagraphs()
             dist.destroy_process_group()
 
     def _send_shutdown(self) -> None:
@@ -209,6 +213,11 @@ class TPWorkers:
             raise RuntimeError("this LLM's tensor-parallel workers were shut down")
         self._state.sync()
         dist.broadcast_object_list([(method, args)], src=0, group=self._state.side)
+
+    def attach(self, model_runner) -> None:
+        """The driver's own runner: its CUDA graphs are dropped before the process group, since
+        NCCL's communicator teardown waits until every graph that captured a collective is gone."""
+        self._state.runner_ref = weakref.ref(model_runner)
 
     def shutdown(self) -> None:
         """Stop the workers and release the process groups (also runs when the LLM is collected)."""
@@ -247,5 +256,6 @@ def worker_main(
         except Exception:
             # The driver ran the same checks on the same input and raised the same error.
             logger.debug("rank %d: %s raised", rank, method, exc_info=True)
+    llm.llm_engine.model_runner.release_cudagraphs()  # NCCL's teardown waits for graphs using it
     del llm
     dist.destroy_process_group()
