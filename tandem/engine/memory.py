@@ -21,7 +21,7 @@ def resolve_device(device: str, hf_model=None) -> torch.device:
     if device == "auto":
         if hf_model is not None:
             return next(hf_model.parameters()).device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} asked for, but no CUDA GPU is available; use 'cpu' or 'auto'")
