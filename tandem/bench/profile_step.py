@@ -161,30 +161,16 @@ def profile_decode(
     bs = engine.config.block_size
     blocks_per_seq = -(-(prompt_len + max_tokens) // bs)
     batch = min(batch or engine.config.max_num_seqs, max(1, engine.num_blocks // blocks_per_seq))
-    ids = _add_batch(engine, batch, prompt_len, max_tokens, seed)
-    try:
-        seqs = [s for rid in ids for s in engine.requests[rid].seqs]
-        while any(s.num_output_tokens == 0 for s in seqs):
-            engine.step()  # prefills, and the first token of every sequence
-        for _ in range(warmup):
-            engine.step()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
-        _sync(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
-        context = prompt_len + 1 + warmup + num_steps / 2  # mean tokens per sequence, timed
-        activities = [ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        with profile(activities=activities) as prof:
-            for _ in range(num_steps):
-                with record_function(STEP):
-                    engine.step()
-            _sync(device)
-    finally:
-        engine.abort_request(ids)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    if getattr(llm, "tp_workers", None) is not None:
+        wall_ms, prof = _profile_mirrored(llm, batch, prompt_len, max_tokens, num_steps, warmup, seed,
+                                          activities)
+    else:
+        wall_ms, prof = _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, seed,
+                                       activities)
+    context = prompt_len + 1 + warmup + num_steps / 2  # mean tokens per sequence, timed
     if trace_path:
         prof.export_chrome_trace(trace_path)
     result = {"batch": batch, "prompt_len": prompt_len, "wall_ms": wall_ms,
@@ -198,6 +184,73 @@ def profile_decode(
     if verbose:
         print_profile(result)
     return result
+
+
+def _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, seed, activities):
+    """Drive the engine step by step: time `num_steps` decode steps, then profile as many."""
+    device = engine.device
+    ids = _add_batch(engine, batch, prompt_len, max_tokens, seed)
+    try:
+        seqs = [s for rid in ids for s in engine.requests[rid].seqs]
+        while any(s.num_output_tokens == 0 for s in seqs):
+            engine.step()  # prefills, and the first token of every sequence
+        for _ in range(warmup):
+            engine.step()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            engine.step()
+        _sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
+        with profile(activities=activities) as prof:
+            for _ in range(num_steps):
+                with record_function(STEP):
+                    engine.step()
+            _sync(device)
+    finally:
+        engine.abort_request(ids)
+    return wall_ms, prof
+
+
+def _profile_mirrored(llm, batch, prompt_len, max_tokens, num_steps, warmup, seed, activities):
+    """Tensor parallel with spawned ranks: every rank must run the same steps, so the batch goes
+    through `llm.generate` (which they mirror) and this rank's steps are timed, then profiled, from
+    inside. The profile is rank 0's: its kernels, all-reduces included."""
+    from tandem.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    rng = random.Random(seed)
+    hi = min(engine.hf_config.vocab_size, 32000) - 1
+    prompts = [[rng.randint(100, hi) for _ in range(prompt_len)] for _ in range(batch)]
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+    # prefill steps, then `warmup` decode steps, are left out
+    skip = -(-batch * prompt_len // engine.config.max_num_batched_tokens) + warmup
+    run_step = engine.step
+    times: list[float] = []
+
+    def timed():
+        t = time.perf_counter()
+        out = run_step()
+        times.append(time.perf_counter() - t)
+        return out
+
+    engine.step = timed
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+        wall_ms = 1e3 * sum(times[skip : skip + num_steps]) / num_steps
+        sched = torch.profiler.schedule(skip_first=skip, wait=0, warmup=1, active=num_steps, repeat=1)
+        with profile(activities=activities, schedule=sched) as prof:
+            def profiled():
+                with record_function(STEP):
+                    out = run_step()
+                prof.step()
+                return out
+
+            engine.step = profiled
+            llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del engine.step  # the class's method again
+    return wall_ms, prof
 
 
 def print_profile(r: dict) -> None:

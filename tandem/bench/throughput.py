@@ -257,8 +257,8 @@ def run(cfg: ThroughputConfig) -> dict:
         [len(p) for p in prompts],
         out_lens,
         cfg.max_num_seqs,
-        cfg.hbm_bytes_per_s,
-        cfg.peak_flops,
+        cfg.hbm_bytes_per_s * cfg.tensor_parallel_size,  # TP=N: N GPUs' bandwidth and FLOPs
+        cfg.peak_flops * cfg.tensor_parallel_size,
     )
     for r in results.values():
         r["roofline_tokens_per_s"] = ceiling

@@ -45,8 +45,10 @@ class ColocationMixin:
             raise ValueError(f"cannot sleep with {len(self.requests)} requests in flight; abort them first")
         self.drain()  # nothing may still be running on the memory about to go
         t0 = time.perf_counter()
-        free_before = _free_bytes(self.device)
-        self.model_runner.release_kv_cache()
+        free_before = _free_bytes(self.device)  # (synchronises: nothing is queued from here)
+        if level == 1:
+            self.weight_store.start_copy_out()  # the copy engine copies while the KV cache goes
+        self.model_runner.release_kv_cache(sync=free_before is None)
         self.weight_store.release(keep_copy=level == 1)
         if level == 2:
             self.weights_valid = False  # generation refuses until new weights are loaded
@@ -65,9 +67,10 @@ class ColocationMixin:
         t0 = time.perf_counter()
         timings = {}
         if "weights" in tags and not self.weight_store.resident:
-            if not self.weight_store.restore():
+            # the weights' host-to-device copy runs while the host maps the KV cache below
+            if not self.weight_store.restore(sync=False):
                 self.weights_valid = False
-            timings["weights_s"] = time.perf_counter() - t0
+            timings["weights_s"] = time.perf_counter() - t0  # to map and queue the copy
         if "kv_cache" in tags and not self.model_runner.kv_store.resident:
             t1 = time.perf_counter()
             self.model_runner.restore_kv_cache()
@@ -78,6 +81,8 @@ class ColocationMixin:
             buffer = self.model_runner.kv_store.buffer
             if buffer is not None:  # the driver calls inside the mapping
                 timings.update({f"kv_cache_{k}_s": v for k, v in buffer.last_map_s.items()})
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the weights are in place when wake_up returns
         recaptured = False
         if self.weight_store.resident and self.model_runner.kv_store.resident:
             self.sleep_level = 0

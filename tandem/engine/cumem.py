@@ -90,13 +90,15 @@ class CuMemBuffer:
         self.last_map_s = {"cu_mem_create": t1 - t0, "cu_mem_map": t2 - t1,
                            "cu_mem_set_access": time.perf_counter() - t2}
 
-    def unmap(self) -> None:
-        """Give the physical memory back to the driver; the address stays reserved."""
+    def unmap(self, sync: bool = True) -> None:
+        """Give the physical memory back to the driver; the address stays reserved. `sync=False`:
+        the caller knows no queued work touches this memory."""
         if self._handle is None:
             return
         from cuda.bindings import driver as cu
 
-        torch.cuda.synchronize(self.device_index)
+        if sync:
+            torch.cuda.synchronize(self.device_index)
         _check(cu.cuMemUnmap(self.ptr, self.nbytes))
         _check(cu.cuMemRelease(self._handle))
         self._handle = None

@@ -51,8 +51,8 @@ class ModelRunner:
         self.kv_cache = self.kv_store.tensor
         self.bind_kv_cache()
 
-    def release_kv_cache(self) -> None:
-        self.kv_store.release()
+    def release_kv_cache(self, sync: bool = True) -> None:
+        self.kv_store.release(sync)
         if not self.kv_store.stable_address:
             self.kv_cache = None
             self.bind_kv_cache()

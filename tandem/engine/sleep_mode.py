@@ -57,6 +57,15 @@ class WeightStore:
             p.data = view
         torch.cuda.synchronize(self.device)
 
+    def start_copy_out(self) -> None:
+        """Queue the device-to-host copy of `release(keep_copy=True)` without waiting for it, so
+        the caller can free other memory meanwhile (stable-address storage only)."""
+        if self.resident and self.buffer is not None and self.host is None:
+            if self._pinned is None:  # allocated once: pinning gigabytes costs more than copying
+                self._pinned = torch.empty(self.buffer.nbytes, dtype=torch.uint8, pin_memory=True)
+            self._pinned.copy_(self.buffer.tensor, non_blocking=True)
+            self.host = self._pinned
+
     def release(self, keep_copy: bool) -> None:
         """Free the device memory; with `keep_copy`, keep the values in (pinned) host memory."""
         if not self.resident:
@@ -66,11 +75,10 @@ class WeightStore:
         pin = self.device.type == "cuda"
         if self.buffer is not None:
             if keep_copy:
-                if self._pinned is None:  # allocated once: pinning gigabytes costs more than copying
-                    self._pinned = torch.empty(self.buffer.nbytes, dtype=torch.uint8, pin_memory=pin)
-                self._pinned.copy_(self.buffer.tensor)
-                self.host = self._pinned
-            self.buffer.unmap()
+                self.start_copy_out()
+            else:
+                self.host = None
+            self.buffer.unmap()  # waits for the copy out
         else:
             if keep_copy:
                 self.host = [p.data.to("cpu").pin_memory() if pin else p.data.clone() for p in self.params]
@@ -78,22 +86,23 @@ class WeightStore:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         self.resident = False
 
-    def restore(self) -> bool:
-        """Bring device memory back; returns whether it holds the old values (False: refill it)."""
+    def restore(self, sync: bool = True) -> bool:
+        """Bring device memory back; returns whether it holds the old values (False: refill it).
+        `sync=False` leaves the host-to-device copy running (the caller synchronises)."""
         if self.resident:
             return True
         had_copy = self.host is not None
         if self.buffer is not None:
             self.buffer.map()
             if had_copy:
-                self.buffer.tensor.copy_(self.host)
+                self.buffer.tensor.copy_(self.host, non_blocking=True)
         else:
             for i, p in enumerate(self.params):
                 if had_copy:
-                    p.data = self.host[i].to(self.device)
+                    p.data = self.host[i].to(self.device, non_blocking=True)
                 else:
                     p.data = torch.empty(self.shapes[i], dtype=p.dtype, device=self.device)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and sync:
             torch.cuda.synchronize(self.device)
         self.host = None
         self.resident = True
@@ -125,9 +134,9 @@ class KVCacheStore:
     def stable_address(self) -> bool:
         return self.buffer is not None
 
-    def release(self) -> None:
+    def release(self, sync: bool = True) -> None:
         if self.buffer is not None:
-            self.buffer.unmap()
+            self.buffer.unmap(sync)
         else:
             self.tensor = None
 

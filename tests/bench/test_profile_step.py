@@ -40,6 +40,7 @@ def test_categories():
     assert category("_rotary_kernel") == "norm/act/rope"
     assert category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
     assert category("_decode_merge_kernel") == "attention"
+    assert category("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "all-reduce"
     assert category("void at::native::vectorized_elementwise_kernel<4>") == "other"
 
 
@@ -61,3 +62,21 @@ def test_profile_decode_end_to_end(tmp_path, capsys):
     assert "decode profile" in capsys.readouterr().out
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_blocks
+
+
+def test_profile_decode_with_spawned_tensor_parallel_ranks():
+    """Spawned ranks only follow mirrored calls: the profile drives `generate`, so rank 1 runs the
+    same steps, and rank 0's profile shows the all-reduces; the engine stays usable after."""
+    from tandem import SamplingParams
+
+    model = make_tiny_model("qwen2", num_attention_heads=4, num_key_value_heads=2)
+    llm = LLM(model, tensor_parallel_size=2, device="cpu", max_num_seqs=4)
+    try:
+        r = profile_decode(llm, num_steps=3, batch=4, prompt_len=8, verbose=False)
+        assert r["num_steps"] == 3 and r["wall_ms"] > 0
+        assert any("allreduce" in op["name"] for op in r["top_cpu_ops"])
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_blocks
+    finally:
+        llm.tp_workers.shutdown()
