@@ -40,8 +40,9 @@ class EngineConfig:
     # Launch each step before reading back the previous one's tokens (vLLM's async scheduling):
     # None turns it on where the device runs asynchronously to the host (CUDA).
     async_scheduling: bool | None = None
-    # Streamed (delta / cumulative) outputs of an unfinished request every this many tokens: fewer,
-    # larger chunks cost the server less per token (vLLM's stream_interval).
+    # Streamed (delta / cumulative) outputs of an unfinished request: the first token at once, then
+    # every this many tokens: fewer, larger chunks cost the server less per token (vLLM's
+    # stream_interval).
     stream_interval: int = 1
 
     def __post_init__(self) -> None:

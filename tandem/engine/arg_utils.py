@@ -22,7 +22,7 @@ _HELP = {
     "attention_backend": "auto | torch | triton",
     "async_scheduling": "launch each step before the previous one's tokens are read back "
     "(default: on for CUDA)",
-    "stream_interval": "streamed outputs every this many tokens (fewer, larger chunks)",
+    "stream_interval": "streamed outputs: the first token at once, then every this many tokens",
 }
 _SKIP_POSITIONAL = {"model"}
 

@@ -319,9 +319,11 @@ class LLMEngine(ColocationMixin):
             self.num_generated_tokens += 1
             self._check_finished(state, seq)
             # final_only requests produce an output only when a sample finishes; streamed ones
-            # every stream_interval tokens
-            if seq.is_finished or (state.output_kind != "final_only" and
-                                   seq.num_output_tokens - state.sent_tokens[seq.index] >= interval):
+            # on their first token (time to first token is not held back), then every
+            # stream_interval tokens, as vLLM's
+            if seq.is_finished or (state.output_kind != "final_only" and (
+                    seq.num_output_tokens - state.sent_tokens[seq.index] >= interval
+                    or state.sent_tokens[seq.index] == 0)):
                 touched[seq.request_id] = state
 
     def _check_finished(self, state: RequestState, seq: Sequence) -> None:

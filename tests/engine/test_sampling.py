@@ -133,7 +133,8 @@ def test_stream_interval_coalesces_deltas(tiny_llama_dir, async_scheduling):
     chunks = []
     while engine.has_unfinished_requests():
         chunks += [out.outputs[0] for out in engine.step()]
-    assert [len(c.token_ids) for c in chunks] == [4, 4, 2]  # every 4 tokens, then the rest
+    # the first token at once (TTFT is not held back), then every 4 tokens, then the rest
+    assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 1]
     assert sum((c.token_ids for c in chunks), []) == final.token_ids
     assert "".join(c.text for c in chunks) == final.text
     assert chunks[-1].finish_reason == "length"
