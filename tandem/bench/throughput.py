@@ -239,6 +239,7 @@ def run(cfg: ThroughputConfig) -> dict:
         vocab = source.hf_config.vocab_size
     prompts, out_lens = make_prompts(cfg, vocab)
     gpu = None
+    llm = None
     from tandem.bench.gpu_monitor import GpuMonitor
 
     if "hf" in backends:
@@ -250,7 +251,6 @@ def run(cfg: ThroughputConfig) -> dict:
                 hf_model if hf_model is not None else cfg.model, prompts, out_lens, cfg
             )
         gpu = mon.summary()
-        del llm
     shape = ModelShape.from_hf_config(source.hf_config)
     ceiling = ceiling_tokens_per_s(
         shape,
@@ -270,6 +270,8 @@ def run(cfg: ThroughputConfig) -> dict:
     report = make_report("throughput", asdict(cfg), results, gpu)
     _print_table(results)
     finish(report, cfg.output)
+    if llm is not None and llm.tp_workers is not None:
+        llm.tp_workers.shutdown()  # after the report: the figures stand whatever teardown does
     return report
 
 

@@ -36,6 +36,7 @@ MIRRORED = ("generate", "sleep", "wake_up", "reset_prefix_cache")
 # A worker waits for the driver's next call for as long as the LLM lives.
 _IDLE_TIMEOUT = timedelta(days=365)
 _STARTUP_TIMEOUT_S = 600.0
+_TEARDOWN_TIMEOUT_S = 30.0
 # Drivers alive in this process: their world is torch.distributed's one default group.
 _DRIVERS: weakref.WeakSet = weakref.WeakSet()
 
@@ -129,6 +130,18 @@ def _wait_ready(procs, ready) -> None:
                 )
 
 
+def _destroy_bounded(timeout_s: float = _TEARDOWN_TIMEOUT_S) -> None:
+    """destroy_process_group, given up on after `timeout_s`: a communicator teardown that does not
+    return must not hang a process that is done with it (on 2 H200s a TP=2 `bench throughput`
+    did not exit after its profile; teardown is the suspect, unconfirmed)."""
+    t = threading.Thread(target=dist.destroy_process_group, name="tandem-tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logger.warning("tensor-parallel process group teardown did not finish in %.0f s; leaving it",
+                       timeout_s)
+
+
 class _DriverState:
     """What the driver must release: worker processes, process groups, the temporary directory.
     Kept apart from TPWorkers so a finalizer can close it without keeping TPWorkers alive."""
@@ -181,7 +194,8 @@ class _DriverState:
             runner = self.runner_ref() if self.runner_ref is not None else None
             if runner is not None:
                 runner.release_cudagraphs()
-            dist.destroy_process_group()
+            _destroy_bounded()
+
 
     def _send_shutdown(self) -> None:
         try:
@@ -258,4 +272,4 @@ def worker_main(
             logger.debug("rank %d: %s raised", rank, method, exc_info=True)
     llm.llm_engine.model_runner.release_cudagraphs()  # NCCL's teardown waits for graphs using it
     del llm
-    dist.destroy_process_group()
+    _destroy_bounded()
