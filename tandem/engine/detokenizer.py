@@ -15,9 +15,15 @@ class IncrementalDetokenizer:
         cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._backend_decode = backend.decode if backend is not None and not cleanup else None
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+
+    @property
+    def num_added(self) -> int:
+        """Output tokens taken so far."""
+        return len(self.ids) - self.num_context
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
@@ -26,7 +32,14 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (may be empty)."""
-        self.ids.append(token_id)
+        return self.add_many((token_id,))
+
+    def add_many(self, token_ids) -> str:
+        """Append tokens; return the text they complete (may be empty). One pair of decodes for
+        all of them: a streamed request is detokenized when it emits, not at every token."""
+        if not token_ids:
+            return ""
+        self.ids.extend(token_ids)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

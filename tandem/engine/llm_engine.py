@@ -328,10 +328,11 @@ class LLMEngine(ColocationMixin):
 
     def _check_finished(self, state: RequestState, seq: Sequence) -> None:
         stop = check_stop(seq)
-        if state.detokenizers is not None:
+        if state.detokenizers is not None and seq.sampling_params.stop_strings:
+            # stop strings are matched as the text grows: detokenize every token
             det = state.detokenizers[seq.index]
             delta = det.add(seq.last_token_id)
-            if stop is None and delta and seq.sampling_params.stop_strings:
+            if stop is None and delta:
                 hit = find_stop_string(det.text, len(delta), seq.sampling_params.stop_strings)
                 if hit is not None:
                     stop_str, idx = hit
@@ -344,6 +345,17 @@ class LLMEngine(ColocationMixin):
         if stop is not None:
             self.scheduler.finish(seq, stop[0], stop[1])
 
+    @staticmethod
+    def _catch_up_text(state: RequestState, seq: Sequence) -> None:
+        """Without stop strings a sample's text is only needed when it is emitted: detokenize the
+        tokens since the last emission now, in one go (and flush at the end)."""
+        det = state.detokenizers[seq.index]
+        if not seq.sampling_params.stop_strings:
+            det.add_many(seq.token_ids[seq.num_prompt_tokens + det.num_added :])
+            if seq.is_finished:
+                det.flush()
+            seq.output_text = det.text
+
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
         if state.output_kind == "final_only" and not finished:
@@ -352,7 +364,11 @@ class LLMEngine(ColocationMixin):
         for seq in state.seqs:
             i = seq.index
             start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
-            text = seq.output_text if state.detokenizers is not None else self._decode_final(seq)
+            if state.detokenizers is not None:
+                self._catch_up_text(state, seq)
+                text = seq.output_text
+            else:
+                text = self._decode_final(seq)
             if not seq.is_finished and seq.sampling_params.stop_strings:
                 # hold back what could still become the start of a stop string
                 text = text[: max(0, len(text) - max(map(len, seq.sampling_params.stop_strings)) + 1)]
