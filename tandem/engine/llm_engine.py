@@ -17,8 +17,8 @@ from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
-from tandem.engine.sleep_mode import WeightStore
 from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.sleep_mode import WeightStore
 from tandem.engine.stop_checker import check_stop, find_stop_string
 from tandem.models.loader import (
     ModelSource,
