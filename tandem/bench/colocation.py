@@ -5,10 +5,10 @@ Figures (issue 4's targets): share of the engine's device memory that `sleep(lev
 whether greedy output after each wake equals the output before the sleep. Medians of repeats,
 for each sleep backend (cumem: stable addresses; recapture: reallocate and capture graphs again).
 
-The wake is timed twice: right after the sleep, and after `trainer_turn_s` with the engine asleep
-(the trainer's turn in a colocated loop). They differ because the driver clears freed device
-pages before it hands them out again: back to back, `cuMemCreate` of the KV cache waits for that
-clearing (about 0.19 s for 60 GiB on an H200); given the trainer's turn, it has happened.
+Both sleep/wake figures are timed twice: right after the sleep, and after `trainer_turn_s` with
+the engine asleep (the trainer's turn in a colocated loop). They differ because back to back,
+`cuMemCreate` of the KV cache takes ~0.19 s for 60 GiB on an H200 against 4 ms a second later:
+the driver appears to clear freed pages before it hands them out again.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
     report = llm.memory_report()
     engine_bytes = report["weights_bytes"] + report["kv_cache_bytes"]
     freed_share, wake_update, sleep1_wake, identical = [], [], [], True
+    sleep1_turn: list[float] = []  # sleep(1) + wake_up() seconds, the trainer's turn between
     parts: dict[str, list[float]] = defaultdict(list)  # wake_<part>_s from wake_up(), update_s
     back_to_back: list[float] = []
 
@@ -106,6 +107,10 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
         identical &= tokens() == reference
         sleep1_wake.append(_timed(lambda: (llm.sleep(1), llm.wake_up())))
         identical &= tokens() == reference
+        slept = _timed(lambda: llm.sleep(1))
+        time.sleep(cfg.trainer_turn_s)
+        sleep1_turn.append(slept + _timed(llm.wake_up))
+        identical &= tokens() == reference
     result = {
         "backend": backend, "engine_bytes": engine_bytes, "memory_report": report,
         "sleep2_freed_share_median": statistics.median(freed_share),
@@ -113,14 +118,34 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
         "wake_plus_update_s_median": statistics.median(wake_update),
         "wake_plus_update_back_to_back_s_median": statistics.median(back_to_back),
         "sleep1_plus_wake_s_median": statistics.median(sleep1_wake),
+        "sleep1_plus_wake_after_turn_s_median": statistics.median(sleep1_turn),
         "greedy_identical_after_wake": identical,
         **{k + "_median": statistics.median(v) for k, v in parts.items()},
         "cudagraph_capture_s": llm.llm_engine.cudagraph_capture_s,
         "samples": {"freed_share": freed_share, "wake_plus_update_s": wake_update,
-                    "wake_plus_update_back_to_back_s": back_to_back, "sleep1_plus_wake_s": sleep1_wake},
+                    "wake_plus_update_back_to_back_s": back_to_back, "sleep1_plus_wake_s": sleep1_wake,
+                    "sleep1_plus_wake_after_turn_s": sleep1_turn},
     }
     llm.llm_engine.model_runner.graph_runner = None  # let the caller's gc free the engine now
     return result
+
+
+def print_table(results: dict, trainer_turn_s: float) -> None:
+    turn = f"after {trainer_turn_s:g} s"
+    print(f"{'':<10} {'sleep(2)':>9} {'wake+update s':>27} {'sleep(1)+wake s':>27} {'same':>7}")
+    print(f"{'backend':<10} {'frees':>9} {turn:>13} {'back to back':>13} {turn:>13} {'back to back':>13} "
+          f"{'tokens':>7}")
+    for r in results.values():
+        print(f"{r['backend']:<10} {100 * r['sleep2_freed_share_median']:>8.1f}% "
+              f"{r['wake_plus_update_s_median']:>13.3f} {r['wake_plus_update_back_to_back_s_median']:>13.3f} "
+              f"{r['sleep1_plus_wake_after_turn_s_median']:>13.3f} {r['sleep1_plus_wake_s_median']:>13.3f} "
+              f"{str(r['greedy_identical_after_wake']):>7}")
+        print(f"{'':<10} wake: weights {r['wake_weights_s_median']:.3f}s, kv cache "
+              f"{r['wake_kv_cache_s_median']:.3f}s (mapping {r['wake_kv_cache_map_s_median']:.3f}s: "
+              f"cuMemCreate {r['wake_kv_cache_cu_mem_create_s_median']:.3f}s, cuMemMap "
+              f"{r['wake_kv_cache_cu_mem_map_s_median']:.3f}s, cuMemSetAccess "
+              f"{r['wake_kv_cache_cu_mem_set_access_s_median']:.3f}s); "
+              f"update_weights_from_model {r['update_s_median']:.3f}s")
 
 
 def run(cfg: ColocationConfig) -> dict:
@@ -134,19 +159,7 @@ def run(cfg: ColocationConfig) -> dict:
         results[backend] = measure(model, backend, cfg)
         gc.collect()
         torch.cuda.empty_cache()
-    turn = f"wake+update s ({cfg.trainer_turn_s:g} s asleep)"
-    print(f"{'backend':<10} {'sleep(2) frees':>15} {turn:>30} {'back to back':>13} {'sleep(1)+wake s':>16} "
-          f"{'same tokens':>12}")
-    for r in results.values():
-        print(f"{r['backend']:<10} {100 * r['sleep2_freed_share_median']:>14.1f}% "
-              f"{r['wake_plus_update_s_median']:>30.3f} {r['wake_plus_update_back_to_back_s_median']:>13.3f} "
-              f"{r['sleep1_plus_wake_s_median']:>16.3f} {str(r['greedy_identical_after_wake']):>12}")
-        print(f"{'':<10} wake: weights {r['wake_weights_s_median']:.3f}s, kv cache "
-              f"{r['wake_kv_cache_s_median']:.3f}s (mapping {r['wake_kv_cache_map_s_median']:.3f}s: "
-              f"cuMemCreate {r['wake_kv_cache_cu_mem_create_s_median']:.3f}s, cuMemMap "
-              f"{r['wake_kv_cache_cu_mem_map_s_median']:.3f}s, cuMemSetAccess "
-              f"{r['wake_kv_cache_cu_mem_set_access_s_median']:.3f}s); "
-              f"update_weights_from_model {r['update_s_median']:.3f}s")
+    print_table(results, cfg.trainer_turn_s)
     report = make_report("colocation", asdict(cfg), results)
     finish(report, cfg.output)
     return report
