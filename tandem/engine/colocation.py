@@ -45,10 +45,10 @@ class ColocationMixin:
             raise ValueError(f"cannot sleep with {len(self.requests)} requests in flight; abort them first")
         self.drain()  # nothing may still be running on the memory about to go
         t0 = time.perf_counter()
-        free_before = _free_bytes(self.device)  # (synchronises: nothing is queued from here)
+        free_before = _free_bytes(self.device)  # synchronises: no kernel touches the KV cache now
         if level == 1:
             self.weight_store.start_copy_out()  # the copy engine copies while the KV cache goes
-        self.model_runner.release_kv_cache(sync=free_before is None)
+        self.model_runner.release_kv_cache(sync=False)
         self.weight_store.release(keep_copy=level == 1)
         if level == 2:
             self.weights_valid = False  # generation refuses until new weights are loaded

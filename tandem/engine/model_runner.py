@@ -232,11 +232,10 @@ class ModelRunner:
         """Drop the captured graphs (they hold NCCL communicators alive under tensor parallel)."""
         if self.graph_runner is None:
             return
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)  # no replay may still be running
         for graph in self.graph_runner.graphs.values():
             graph.reset()  # destroys the executable graph now, not whenever refcounts let go
         self.graph_runner = None
-        torch.cuda.synchronize(self.device)
         self.graph_bytes = 0
 
     def capture_cudagraphs(self, max_model_len: int) -> float:
