@@ -195,6 +195,7 @@ def run_tandem(
         kv_cache_blocks=eng.num_blocks,
         preemptions=eng.scheduler.num_preemptions,
         cudagraph_capture_s=eng.cudagraph_capture_s,
+        kernel_warmup_s=eng.kernel_warmup_s,
         attention_backend=eng.attention_backend,
     )
     return fig, llm

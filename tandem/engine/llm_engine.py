@@ -82,6 +82,9 @@ class LLMEngine(ColocationMixin):
         self.cudagraph_capture_s = None
         if self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton":
             self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
+        self.kernel_warmup_s = None
+        if self.device.type == "cuda" and self.attention_backend == "triton":
+            self.kernel_warmup_s = self.model_runner.warmup_kernels()
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

@@ -253,6 +253,50 @@ class ModelRunner:
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         return time.perf_counter() - t0
 
+    @torch.inference_mode()
+    def warmup_kernels(self) -> float:
+        """Compile, before serving, every Triton variant an eager step can reach.
+
+        Graph capture compiles the decode path. What it leaves is shape-dependent: prefill
+        attention's tile (by the longest query in the step) and the sampler (greedy or sampling,
+        with or without ranks). A serving engine whose batches vary would otherwise compile them
+        between tokens, stalling every request for the second each takes. Dummy steps write no
+        KV-cache slot. Returns the seconds it took.
+        """
+        import time
+
+        from tandem.kernels.prefill_attention import tile_rows_classes
+        from tandem.kernels.sampling import sample
+
+        t0 = time.perf_counter()
+        a = self.attn_layers[0]
+        group = a.num_heads // a.num_kv_heads
+        dev = self.device
+        hidden = None
+        for q_len in tile_rows_classes(group, self.dtype):
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=dev),
+                query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([q_len], dtype=torch.int32, device=dev),
+                block_tables=torch.zeros(1, -(-q_len // self.block_size), dtype=torch.int32, device=dev),
+                max_query_len=q_len, max_seq_len=q_len, decode_only=False,
+                query_start_loc_cpu=[0, q_len], seq_lens_cpu=[q_len],
+            )
+            ids = torch.zeros(q_len, dtype=torch.int64, device=dev)
+            with set_attention_metadata(meta):
+                hidden = self.model(ids, torch.arange(q_len, device=dev))
+        logits = self.model.compute_logits(hidden[-1:].expand(2, -1).contiguous())
+        temperature = torch.ones(2, dtype=torch.float32, device=dev)
+        processed = self.config.logprobs_mode == "processed_logprobs"
+        for sampling in (False, True):
+            greedy = torch.tensor([True, False], device=dev) if sampling else None
+            seeds = torch.zeros(2, dtype=torch.int64, device=dev) if sampling else None
+            for want_ranks in (False, True):
+                sample(logits, temperature, greedy, seeds, processed, want_ranks)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
     # -- running -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:

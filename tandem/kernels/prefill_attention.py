@@ -149,6 +149,21 @@ def _tile_config(q: torch.Tensor, max_rows: int) -> tuple[int, int, int, int]:
     return block_m, block_n, num_warps, 2
 
 
+def tile_rows_classes(group: int, dtype: torch.dtype, max_query_len: int = 1 << 16) -> list[int]:
+    """One longest-query length per distinct tile config (one compiled variant each), shortest
+    first: what a warm-up must run so that no step compiles later."""
+    q = torch.empty(0, dtype=dtype)
+    seen, lens = set(), []
+    for q_len in range(1, max_query_len + 1):
+        block_m = max(_tile_config(q, q_len * group)[0], triton.next_power_of_2(group))
+        if block_m not in seen:
+            seen.add(block_m)
+            lens.append(q_len)
+        if q_len * group >= 128:  # the largest tile is reached
+            break
+    return lens
+
+
 def prefill_attention(
     q_TNH: torch.Tensor,
     k_cache: torch.Tensor,

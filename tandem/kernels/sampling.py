@@ -51,7 +51,9 @@ def _scan(x, r, cols, inv_t, greedy, m, s, best, best_idx,
     return m_new, s, best, best_idx
 
 
-@triton.jit
+# The batch size sets the chunking; those arguments are not specialized on, so a serving engine
+# whose batch size wanders compiles one variant, not one per size class mid-request.
+@triton.jit(do_not_specialize=["blocks_per_chunk", "num_chunks"])
 def _sample_chunk_kernel(
     logits_ptr, inv_t_ptr, greedy_ptr, seeds_ptr,
     part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
@@ -110,7 +112,7 @@ def _sample_chunk_kernel(
     tl.store(part_idx_ptr + out, best_idx)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _sample_merge_kernel(
     logits_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
     token_ptr, logprob_ptr, token_lp_ptr,
@@ -138,7 +140,7 @@ def _sample_merge_kernel(
     tl.store(token_lp_ptr + row, lp_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["blocks_per_chunk"])
 def _rank_kernel(
     logits_ptr, inv_t_ptr, token_lp_ptr, rank_ptr,
     vocab, stride_row, blocks_per_chunk,
@@ -214,7 +216,7 @@ def sample(
         logits, inv_t, part[0], part[1], part[2], part_idx,
         token, logprob, token_lp,
         logits.stride(0), num_chunks,
-        PROCESSED=processed, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+        PROCESSED=processed, BLOCK_C=triton.next_power_of_2(n_blocks), num_warps=1,
     )
     if want_ranks:
         _rank_kernel[(S, num_chunks)](

@@ -19,6 +19,11 @@ def test_triton_backend_matches_torch_backend_on_cpu():
     got = tri.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert_no_leak(tri)
+    # the start-up warm-up's dummy steps write no cache slot and leave the outputs alone
+    tri.llm_engine.model_runner.warmup_kernels()
+    again = tri.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
+    assert_no_leak(tri)
 
 
 @pytest.mark.gpu
@@ -73,4 +78,44 @@ def test_gpu_preemption_and_sampling_leave_no_leak():
                                                 ignore_eos=True, seed=1), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 60 for o in outs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_no_leak(llm)
+
+
+def _compiled_triton_variants() -> int:
+    """Compiled variants held by every Triton kernel of tandem (`JITFunction.device_caches`)."""
+    import triton
+
+    from tandem.kernels import (activation, decode_attention, kv_cache, prefill_attention, rmsnorm,
+                                rotary, sampling)
+
+    total = 0
+    for module in (activation, decode_attention, kv_cache, prefill_attention, rmsnorm, rotary, sampling):
+        for fn in vars(module).values():
+            if isinstance(fn, triton.runtime.JITFunction):
+                total += sum(len(entry[0]) for entry in fn.device_caches.values())
+    return total
+
+
+@pytest.mark.gpu
+def test_no_kernel_compiles_after_start_up():
+    """Once the engine is built, batches of every shape run compiled kernels: nothing compiles
+    between tokens (a compile stalls every request in flight for about a second)."""
+    model = make_tiny_model("qwen2", max_position_embeddings=1024).to(device="cuda", dtype=torch.bfloat16)
+    llm = LLM(model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=64)
+    assert llm.llm_engine.kernel_warmup_s is not None
+    before = _compiled_triton_variants()
+    assert before > 0
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(1 + (i * 37) % 150)] for i in range(64)]
+    for n, temperature, logprobs in [(1, 0, None), (3, 1.0, 0), (17, 0.7, None), (64, 1.0, 0), (50, 0, 0)]:
+        params = SamplingParams(temperature=temperature, max_tokens=1 + n % 9, ignore_eos=True,
+                                logprobs=logprobs, seed=n)
+        llm.generate(prompts[:n], params, use_tqdm=False)
+    # requests joining a running batch: mixed prefill + decode steps of many sizes
+    eng = llm.llm_engine
+    for i, p in enumerate(prompts):
+        eng.add_request(None, p, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), "final_only")
+        eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert _compiled_triton_variants() == before
     assert_no_leak(llm)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import triton
 
 from tandem.kernels.attention_ref import paged_attention_ref
 from tandem.kernels.prefill_attention import prefill_attention
@@ -80,3 +81,21 @@ def test_prefill_half_precision_gpu(
 ):
     batch = [(700, 700), (1000, 257), (129, 1), (300, 64), (17, 17)]
     run_case(batch, num_kv_heads, group, head_dim, block_size, dtype, "cuda", paged_kv, close)
+
+
+@pytest.mark.parametrize("group", [1, 2, 6, 7, 8, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_rows_classes_reach_every_tile_config(group, dtype):
+    """The warm-up's query lengths reach every tile config some step can reach, once each."""
+    from tandem.kernels.prefill_attention import _tile_config, tile_rows_classes
+
+    q = torch.empty(0, dtype=dtype)
+
+    def config(q_len):
+        c = _tile_config(q, q_len * group)
+        return (max(c[0], triton.next_power_of_2(group)),) + c[1:]
+
+    lens = tile_rows_classes(group, dtype)
+    assert lens == sorted(lens)
+    assert len({config(n) for n in lens}) == len(lens)
+    assert {config(n) for n in range(1, 4097)} == {config(n) for n in lens}
