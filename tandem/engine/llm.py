@@ -8,6 +8,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
+from tandem.engine.gc_pause import frozen_heap
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.outputs import RequestOutput
 from tandem.parallel.workers import start_workers
@@ -139,11 +140,12 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+            with frozen_heap():
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
         except BaseException:
             engine.abort_request(list(engine.requests))  # never leave blocks behind
             raise

@@ -101,6 +101,7 @@ class LLMEngine(ColocationMixin):
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
+        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
 
     # -- setup ---------------------------------------------------------------------------------------
@@ -311,13 +312,12 @@ class LLMEngine(ColocationMixin):
                 continue  # finished or aborted meanwhile: this row was computed for nothing
             tok, lp = token_ids[row], logprobs[row]
             seq.fill_placeholder(tok, lp)
-            if seq.sampling_params.logprobs is not None:
-                entry = {tok: (lp, ranks[row])}
-                k = seq.sampling_params.logprobs
+            k = seq.sampling_params.logprobs
+            if k is not None:
+                seq.output_ranks.append(ranks[row])
                 if k and topk_ids is not None:
-                    for r, (t, lp_t) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k])):
-                        entry.setdefault(t, (lp_t, r + 1))
-                seq.top_logprobs.append(entry)
+                    seq.top_logprobs.append(
+                        {t: (lp_t, r + 1) for r, (t, lp_t) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k]))})
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
             self._check_finished(state, seq)
@@ -413,11 +413,27 @@ class LLMEngine(ColocationMixin):
     def _logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]] | None:
         if seq.sampling_params.logprobs is None:
             return None
-        decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return [
-            {t: Logprob(lp, rank, decode([t]) if decode else None) for t, (lp, rank) in entry.items()}
-            for entry in seq.top_logprobs[start:]
-        ]
+        text = self._token_text
+        out = []
+        tops = seq.top_logprobs
+        ids, p = seq.token_ids, seq.num_prompt_tokens
+        for i in range(start, len(seq.output_ranks)):
+            t = ids[p + i]
+            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text(t))}
+            if tops:
+                for t_k, (lp_k, rank_k) in tops[i].items():
+                    if t_k not in entry:
+                        entry[t_k] = Logprob(lp_k, rank_k, text(t_k))
+            out.append(entry)
+        return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        """`decode([token_id])`, cached: the vocabulary bounds the cache, and a token's text is
+        looked up once per vocabulary entry instead of once per sampled token."""
+        text = self._token_texts.get(token_id)
+        if text is None and self.tokenizer is not None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # -- introspection -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:

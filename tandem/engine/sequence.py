@@ -56,7 +56,11 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[float] = []  # logprob of each sampled token
-        self.top_logprobs: list[dict[int, float]] = []  # when sampling_params.logprobs is set
+        # When sampling_params.logprobs is set: each sampled token's rank, and with logprobs > 0
+        # its top-k alternatives {token: (logprob, rank)}. Flat lists, not a dict per token: the
+        # hot loop allocates nothing the cyclic collector has to walk.
+        self.output_ranks: list[int] = []
+        self.top_logprobs: list[dict[int, tuple[float, int]]] = []
         self.prompt_logprobs: list[dict[int, float] | None] = []
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

@@ -26,7 +26,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one compiled variant for every split count
+# One compiled variant for every split count and block-table width (eager steps size the table
+# by their longest sequence; a graph's table is always full width).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
     out_ptr, lse_ptr,

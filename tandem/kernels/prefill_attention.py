@@ -64,7 +64,9 @@ def _attn_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# The block-table width changes with the step's longest sequence: not specialized on, so it costs
+# no compile mid-serving (Triton would otherwise split widths 1, multiples of 16 and the rest).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

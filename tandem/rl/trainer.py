@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine.gc_pause import frozen_heap
 from tandem.rl import checkpoint as ckpt
 from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
@@ -173,10 +174,11 @@ class GRPOTrainer:
         self.logger = MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step) if self.dist.is_main else None
         last = {}
         try:
-            while self.global_step < self.max_steps:
-                last = self.step()
-                if a.save_steps and self.global_step % a.save_steps == 0:
-                    self.save_checkpoint()
+            with frozen_heap():  # model, optimizer, engine, data: no full GC pass walks them
+                while self.global_step < self.max_steps:
+                    last = self.step()
+                    if a.save_steps and self.global_step % a.save_steps == 0:
+                        self.save_checkpoint()
         finally:
             if self.logger is not None:
                 self.logger.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.config import EngineConfig
+from tandem.engine.gc_pause import freeze_for_good
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.serve.metrics import EngineStats
@@ -265,6 +266,7 @@ def run_engine_core(config: EngineConfig, commands, outputs, log_level: str = "I
         return
     core = EngineCore(engine, lambda msg: outputs.send(portable_outputs(msg)))
     outputs.send(("ready", core.info()))
+    freeze_for_good()  # this process lives for its engine: full GC passes skip the start-up heap
 
     def get_commands(block: bool) -> list[tuple]:
         cmds: list[tuple] = []

@@ -1,0 +1,35 @@
+"""Keep the cyclic garbage collector's full passes off the hot loop.
+
+A full collection walks every tracked object of the process: with torch and transformers loaded
+that is several hundred thousand objects, tens to hundreds of milliseconds on the host, while
+the GPU waits for the next step. Objects that exist before a loop starts (the model, the
+tokenizer, a trainer's optimizer) are not what the loop makes garbage of, so they are frozen
+(`gc.freeze`: moved out of the collector's sight) for the loop and given back after. vLLM's
+engine-core process freezes its start-up heap the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Freeze what exists now for the duration of the block. A no-op inside another freeze
+    (anyone's): only the outermost unfreezes, and only what it froze is pending then."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()  # the frozen objects are collectable again (garbage among them included)
+
+
+def freeze_for_good() -> None:
+    """For a process that lives to run one engine (`tandem serve`'s engine core): collect once,
+    then keep everything that survived out of every later full pass."""
+    gc.collect()
+    gc.freeze()
