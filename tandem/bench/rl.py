@@ -38,7 +38,7 @@ class RLBenchConfig:
     server_gpu_memory_utilization: float = 0.9  # server mode: the server has its GPU to itself
     server_timeout_s: float = 600.0  # for `tandem serve` to load and listen
     cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
-    sleep_level: int = 1
+    sleep_level: int = 2  # GRPOConfig.engine_sleep_level: the trainer brings the weights back
     gradient_checkpointing: bool = True
     seed: int = 0
     output: str | None = None

@@ -14,6 +14,7 @@ import copy
 import logging
 import os
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -264,8 +265,10 @@ def run_engine_core(config: EngineConfig, commands, outputs, log_level: str = "I
         logger.exception("building the engine failed")
         outputs.send(("failed", portable(e)))
         return
-    core = EngineCore(engine, lambda msg: outputs.send(portable_outputs(msg)))
+    sender = PipeSender(outputs)
+    core = EngineCore(engine, sender.send)
     outputs.send(("ready", core.info()))
+    sender.start()
     freeze_for_good()  # this process lives for its engine: full GC passes skip the start-up heap
 
     def get_commands(block: bool) -> list[tuple]:
@@ -281,10 +284,41 @@ def run_engine_core(config: EngineConfig, commands, outputs, log_level: str = "I
 
     try:
         core.run_busy_loop(get_commands)
-    except (BrokenPipeError, ConnectionResetError):
-        pass  # the API process went away while we sent
     finally:
+        sender.close()  # what the last iterations sent (aborted requests' failures) goes out first
         core.weight_sync.close()
+
+
+class PipeSender:
+    """Pickles and writes the core's messages from a thread of its own, first in first out.
+
+    A pipe holds 64 KiB; a step's outputs for a few hundred streams are more. Written from the
+    loop, a message waited there until the API process had read the previous one, so the engine
+    stepped at the API process's pace. From this thread only the writer waits.
+    """
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="tandem-core-out", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def send(self, msg: EngineCoreOutputs) -> None:
+        self.queue.put(portable_outputs(msg))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.queue.put(None)
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            while (msg := self.queue.get()) is not None:
+                self.conn.send(msg)
+        except OSError:  # BrokenPipe, ConnectionReset: the API process is gone, and the loop
+            pass  # learns it from its command pipe
 
 
 def _leave_a_core_to_the_api_process() -> None:

@@ -56,6 +56,17 @@ def test_rate_mode_follows_guidellm(stub):
     assert report["results"]["sweet_spot"] is not None
 
 
+def test_rate_mode_with_several_client_processes(stub):
+    """The synchronous run (concurrency 1) takes one client process, the others all of them."""
+    with stub(tpot_ms=2, capacity=4) as server:
+        base = quick_config(server.base_url, num_prompts=8, output_len=4, slo="ttft=10000",
+                            num_client_processes=2)
+        report = run_sweep(SweepConfig(serve=base, sweep_size=3, sync_prompts=2), show_progress=False)
+    pts = report["results"]["points"]
+    assert [p["strategy"] for p in pts] == ["synchronous", "throughput", "rate"]
+    assert [p["completed"] for p in pts] == [2, 8, 8] and not any(p["failed"] for p in pts)
+
+
 def test_launch_grid_starts_a_server_per_point(tmp_path, capsys):
     launch = f"{sys.executable} {STUB} --port {{port}} --tpot-ms 5 --capacity {{max_num_seqs}}"
     code = main(
