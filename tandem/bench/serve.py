@@ -29,6 +29,7 @@ from tandem.bench.metrics import (
     per_request_rows,
     summarize,
 )
+from tandem.engine.gc_pause import frozen_heap
 
 CLIENT_CPU_WARN = 0.85  # a client process this busy (share of one core) distorts latencies
 SCHEDULE_LAG_WARN_MS = 20.0
@@ -79,7 +80,9 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     def tick(n: int = 1) -> None:
         bar.update(task, advance=n)
 
-    with bar, GpuMonitor(cfg.gpu_interval_s, indices, enabled=cfg.gpu_monitor) as mon:
+    # frozen_heap: a full GC pass over the client's heap (transformers, the prompts) would stall
+    # its event loop for tens of ms and show up as the server's inter-token latency
+    with bar, GpuMonitor(cfg.gpu_interval_s, indices, enabled=cfg.gpu_monitor) as mon, frozen_heap():
         if cfg.num_client_processes == 1:
             sent, t0, cpu = _run_in_process(cfg, bodies, records, offsets, tick)
         else:
@@ -146,9 +149,10 @@ def _worker(target, bodies, records, offsets, max_conc, max_seconds, conn, resul
             with counter.get_lock():
                 counter.value += 1
 
-        sent, _ = asyncio.run(
-            run_requests(target, bodies, records, offsets, max_conc, t0, max_seconds, done)
-        )
+        with frozen_heap():
+            sent, _ = asyncio.run(
+                run_requests(target, bodies, records, offsets, max_conc, t0, max_seconds, done)
+            )
         results.put(("ok", sent, time.process_time() - cpu0))
     except BaseException:  # report, don't hang the parent
         results.put(("error", traceback.format_exc(), 0.0))

@@ -132,21 +132,29 @@ class ModelRunner:
                 raise RuntimeError("placeholder inputs but no in-flight step to read them from")
             rows = np.fromiter((seqs[i].pending_row for i in seq_index[pending].tolist()), np.int64, len(pending))
             parts += [pending, rows]
-        host = np.concatenate(parts)
+        # Every part starts 16-byte aligned (an even number of int64s): kernels reading a part
+        # in place (positions, slot mapping) are specialized on pointer alignment by Triton, and
+        # an odd token count would otherwise compile them again.
+        sizes = [len(p) for p in parts]
+        padded = [n + n % 2 for n in sizes]
+        host = np.zeros(sum(padded), dtype=np.int64)
+        o = np.cumsum([0] + padded)
+        for values, start in zip(parts, o):
+            host[start : start + len(values)] = values
         dev = torch.from_numpy(host)
         if self.pin:
             dev = dev.pin_memory()
         dev = dev.to(self.device, non_blocking=True)
-        o = np.cumsum([0, T, T, T, B + 1, B, B * max_blocks, len(pending)])
-        input_dev = dev[o[0] : o[1]]
+        part = [dev[start : start + size] for start, size in zip(o, sizes)]
+        input_dev = part[0]
         if len(pending):
             input_dev = input_dev.clone()
-            input_dev[dev[o[6] : o[7]]] = prev_token_ids[dev[o[7] :]]
+            input_dev[part[6]] = prev_token_ids[part[7]]
         meta = AttentionMetadata(
-            slot_mapping=dev[o[2] : o[3]],
-            query_start_loc=dev[o[3] : o[4]].to(torch.int32),
-            seq_lens=dev[o[4] : o[5]].to(torch.int32),
-            block_tables=dev[o[5] : o[6]].view(B, max_blocks).to(torch.int32),
+            slot_mapping=part[2],
+            query_start_loc=part[3].to(torch.int32),
+            seq_lens=part[4].to(torch.int32),
+            block_tables=part[5].view(B, max_blocks).to(torch.int32),
             max_query_len=int(n.max()),
             max_seq_len=int(seq_lens.max()),
             decode_only=decode_only,
@@ -154,7 +162,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
         )
         sample_rows = (qsl[1:][np.asarray(sched.sampling, dtype=bool)] - 1).tolist()
-        return input_dev, dev[o[1] : o[2]], meta, sample_rows
+        return input_dev, part[1], meta, sample_rows
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """Per-row sampling tensors; reused while the batch keeps the same sequences (steady decode)

@@ -202,7 +202,10 @@ def sample(
     blocks_per_chunk = triton.cdiv(n_blocks, num_chunks)
     num_chunks = triton.cdiv(n_blocks, blocks_per_chunk)
     inv_t = 1.0 / temperature.float()
-    part = torch.empty(3, S, num_chunks, dtype=torch.float32, device=dev)
+    # Each partial array starts 16-byte aligned whatever S is: Triton specializes pointers on
+    # alignment, and a batch size that moved part[1] off it would compile another variant.
+    n_part = -(-S * num_chunks // 4) * 4
+    part = torch.empty(3, n_part, dtype=torch.float32, device=dev)[:, : S * num_chunks].view(3, S, num_chunks)
     part_idx = torch.empty(S, num_chunks, dtype=torch.int32, device=dev)
     sample_rows = greedy is not None
     _sample_chunk_kernel[(S, num_chunks)](

@@ -197,6 +197,7 @@ class EngineCore:
             generation_tokens=engine.num_generated_tokens,
             is_sleeping=bool(getattr(engine, "is_sleeping", False)),
             weights_version=getattr(engine, "weights_version", 0),
+            step_stats={k: (n, sec) for k, (n, sec) in engine.step_stats.items()},
         )
 
     # -- utilities (UTILITY commands), run between two steps -------------------------------------

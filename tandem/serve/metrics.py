@@ -41,6 +41,9 @@ class EngineStats:
     generation_tokens: int = 0
     is_sleeping: bool = False
     weights_version: int = 0
+    # engine steps by kind ("decode": a CUDA graph where captured; "prefill_or_mixed": eager),
+    # and the host seconds they took: {kind: (steps, seconds)}
+    step_stats: dict[str, tuple[int, float]] | None = None
 
 
 class Histogram:
@@ -121,6 +124,13 @@ class ServerMetrics:
         for reason in sorted(self.finished) or ["stop"]:
             labels = f'{model},finished_reason="{reason}"'
             out.append(f"tandem:request_success_total{{{labels}}} {self.finished[reason]}")
+        out += _header("engine_steps", "counter", "Engine steps by kind (decode, prefill_or_mixed).")
+        steps = stats.step_stats or {}
+        for kind, (n, _) in sorted(steps.items()):
+            out.append(f'tandem:engine_steps_total{{{model},kind="{kind}"}} {n}')
+        out += _header("engine_step_seconds", "counter", "Host seconds spent in engine steps, by kind.")
+        for kind, (_, sec) in sorted(steps.items()):
+            out.append(f'tandem:engine_step_seconds_total{{{model},kind="{kind}"}} {sec}')
         for name, help_, hist in histograms:
             out += _header(name, "histogram", help_) + hist.lines(f"tandem:{name}", model)
         return "\n".join(out) + "\n"

@@ -62,6 +62,9 @@ def test_metrics(server):
     assert m[f"tandem:e2e_request_latency_seconds_count{{{label}}}"] >= 3
     assert m[f'tandem:request_success_total{{{label},finished_reason="length"}}'] >= 3
     assert 0 < m[f"tandem:prefix_cache_hit_rate{{{label}}}"] < 1  # the second prompt hit
+    steps = {k: m[f'tandem:engine_steps_total{{{label},kind="{k}"}}'] for k in ("decode", "prefill_or_mixed")}
+    assert steps["prefill_or_mixed"] >= 1 and sum(steps.values()) >= 5  # 5 tokens of one request
+    assert m[f'tandem:engine_step_seconds_total{{{label},kind="decode"}}'] > 0
     buckets = [v for k, v in m.items() if k.startswith("tandem:e2e_request_latency_seconds_bucket")]
     assert (
         buckets == sorted(buckets)
