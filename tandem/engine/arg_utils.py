@@ -23,6 +23,8 @@ _HELP = {
     "async_scheduling": "launch each step before the previous one's tokens are read back "
     "(default: on for CUDA)",
     "stream_interval": "streamed outputs: the first token at once, then every this many tokens",
+    "max_admission_delay_steps": "new prompts wait up to this many CUDA-graph decode steps to join "
+    "the running batch together (0: at once)",
 }
 _SKIP_POSITIONAL = {"model"}
 

@@ -86,9 +86,10 @@ class LLMEngine(ColocationMixin):
         if self.device.type == "cuda" and self.attention_backend == "triton":
             self.kernel_warmup_s = self.model_runner.warmup_kernels()
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        graphs = self.model_runner.graph_runner is not None  # without them no step is cheaper
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            config.enable_chunked_prefill,
+            config.enable_chunked_prefill, config.max_admission_delay_steps if graphs else 0,
         )
         # vLLM's async scheduling: on by default where a device runs asynchronously to the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None

@@ -51,11 +51,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        max_admission_delay_steps: int = 0,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # EngineConfig.max_admission_delay_steps: how long new prompts may be held back from a
+        # decode-only step; they join at once when this many tokens wait
+        self.max_admission_delay_steps = max_admission_delay_steps
+        self.admission_batch_tokens = max(1, max_num_batched_tokens // 2)
+        self._held_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -105,6 +111,10 @@ class Scheduler:
 
         if out.num_preempted:
             return out  # memory is short: do not admit new work this step
+        if self.waiting and self._holds_admission(out):
+            self._held_steps += 1
+            return out
+        self._held_steps = 0
 
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -130,6 +140,27 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _holds_admission(self, out: SchedulerOutput) -> bool:
+        """Whether the waiting prompts stay out of this step, to join a later one together.
+
+        Only a decode-only step is worth keeping so (it can replay a CUDA graph; a step that
+        already carries a prefill chunk runs eagerly anyway), only for max_admission_delay_steps
+        steps in a row, and never when enough tokens wait to fill half a step, when as many
+        requests wait as run (a burst), or when the waiting ones are samples of a running prompt
+        (they share its cached blocks and cost little)."""
+        if self._held_steps >= self.max_admission_delay_steps or not out.seqs or not out.is_decode_only:
+            return False
+        if len(self.waiting) * 5 >= len(self.running) * 6:  # TGI's waiting_served_ratio, 1.2
+            return False  # a burst: most of the work is still waiting
+        tokens = 0
+        for seq in self.waiting:
+            if seq.leader is not None:
+                return False
+            tokens += seq.num_tokens - seq.num_computed_tokens
+            if tokens >= self.admission_batch_tokens:
+                return False
+        return True
 
     def _waits_for_leader(self, seq: Sequence) -> bool:
         """Samples of one prompt wait for the first one's prefill, then share its cached blocks."""

@@ -62,6 +62,8 @@ def test_bad_engine_config():
         LLM(model, block_size=4, num_gpu_blocks_override=2, max_model_len=64)
     with pytest.raises(TypeError, match="unknown engine argument"):
         LLM(model, max_num_seq=3)
+    with pytest.raises(ValueError, match="max_admission_delay_steps"):
+        LLM(model, max_admission_delay_steps=-1)
 
 
 def test_unknown_model_path_and_architecture(tmp_path):

@@ -112,3 +112,58 @@ def test_finish_frees_blocks_and_abort_of_waiting():
     sched.finish(b, "abort")
     assert not sched.has_unfinished()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_admission_delay_gathers_arrivals_off_graph_steps():
+    """With max_admission_delay_steps, prompts arriving while the batch only decodes wait up to
+    that many steps and then join together; they join at once in a burst (as many waiting as
+    running) and when half a step's token budget waits."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 8, 32, True, max_admission_delay_steps=3)  # joins at 16 waiting tokens
+    running = [Sequence(list(range(i, i + 4)), SamplingParams()) for i in range(4)]
+    for seq in running:
+        sched.add(seq)
+    out = sched.schedule()
+    assert out.seqs == running  # an idle engine admits at once
+    run_step(sched, out)
+    b, c = Sequence(list(range(50, 55)), SamplingParams()), Sequence(list(range(60, 64)), SamplingParams())
+    sched.add(b)
+    for arrival in (c, None, None):
+        out = sched.schedule()
+        assert out.seqs == running and out.is_decode_only  # held: decode-only steps
+        run_step(sched, out)
+        if arrival is not None:
+            sched.add(arrival)
+    out = sched.schedule()  # the fourth step: both join together
+    assert out.seqs == running + [b, c] and out.num_new_tokens == [1, 1, 1, 1, 5, 4]
+    run_step(sched, out)
+    big = Sequence(list(range(100, 117)), SamplingParams())  # 17 tokens >= 16: no wait
+    sched.add(big)
+    assert sched.schedule().seqs[-1] is big
+    burst = Scheduler(BlockManager(64, 4), 8, 32, True, max_admission_delay_steps=3)
+    first = Sequence(list(range(4)), SamplingParams())
+    burst.add(first)
+    run_step(burst, burst.schedule())
+    late = [Sequence(list(range(10, 13)), SamplingParams()), Sequence(list(range(20, 23)), SamplingParams())]
+    for seq in late:
+        burst.add(seq)  # two waiting, one running (waiting >= 1.2 x running): a burst, no wait
+    assert burst.schedule().seqs == [first] + late
+
+
+def test_admission_delay_never_holds_siblings_or_a_prefilling_step():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, 8, 64, True, max_admission_delay_steps=5)
+    a = Sequence(list(range(10)), SamplingParams())
+    sched.add(a)
+    run_step(sched, sched.schedule())
+    sibling = Sequence(list(range(10)), SamplingParams(), leader=a)  # a sample of a's prompt
+    sched.add(sibling)
+    assert sched.schedule().seqs[-1] is sibling
+    sched2 = Scheduler(BlockManager(64, 4), 8, 12, True, max_admission_delay_steps=5)
+    long = Sequence(list(range(20)), SamplingParams())  # chunked over two steps
+    sched2.add(long)
+    run_step(sched2, sched2.schedule())
+    new = Sequence(list(range(30, 32)), SamplingParams())
+    sched2.add(new)
+    out = sched2.schedule()  # long's second chunk makes this step prefill anyway: new joins
+    assert out.seqs == [long, new]
