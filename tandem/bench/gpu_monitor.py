@@ -221,13 +221,17 @@ class GpuMonitor:
         for dev, row in zip(self.samples, rows):
             dev.append(row)
 
-    def summary(self, busy_util_pct: float = 90.0) -> dict:
-        """Per-device means/medians; `util_ge90_frac` is the share of samples >= 90% busy."""
+    def summary(self, busy_util_pct: float = 90.0, window: tuple[float, float] | None = None) -> dict:
+        """Per-device means/medians; `util_ge90_frac` is the share of samples >= 90% busy.
+        `window` (perf_counter start, end): only the samples taken then, e.g. while the load ran
+        (not while client processes started or the last responses were read)."""
         if not self.available:
             return {"available": False, "reason": self.reason, "devices": []}
         wall = (self._span[1] or time.perf_counter()) - self._span[0]
+        keep = [k for k, t in enumerate(self.times) if window is None or window[0] <= t <= window[1]]
         devices = []
-        for info, rows in zip(self.devices, self.samples):
+        for info, all_rows in zip(self.devices, self.samples):
+            rows = [all_rows[k] for k in keep]
             d = dict(info, n_samples=len(rows))
             col = {f: np.array([r[f] for r in rows if r[f] is not None], float) for f in FIELDS}
             util = col["util"]
@@ -254,6 +258,7 @@ class GpuMonitor:
             "reason": self.reason,
             "interval_s": self.interval_s,
             "sample_hz": len(self.times) / wall if wall > 0 else None,
+            "window_s": None if window is None else window[1] - window[0],
             "util_mean": _mean(
                 np.array([d["util_mean"] for d in devices if d["util_mean"] is not None], float)
             ),

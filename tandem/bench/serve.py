@@ -96,7 +96,7 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
         results["output_throughput_of_ceiling"] = results["output_throughput"] / ceiling
     results["prompt_lengths_approximate"] = any(s.approx_len for s in specs)
     results["requests"] = per_request_rows(sent)
-    gpu = mon.summary()
+    gpu = mon.summary(window=(t0, t0 + results["duration_s"]))  # the load's span only
     if mon.available:
         gpu["samples"] = mon.samples_json()
     if cfg.output_dir:

@@ -70,6 +70,11 @@ def test_summary_of_scripted_samples():
     assert d["sm_active_mean"] is None  # no GPM on this device
     cols = mon.samples_json()
     assert cols["devices"][0]["util"] == [0, 50, 95, 100] and len(cols["t"]) == 4
+    # the load's window only: client start-up before it and the tail after it are left out
+    inner = mon.summary(window=(mon.times[1], mon.times[2]))
+    d = inner["devices"][0]
+    assert d["n_samples"] == 2 and d["util_mean"] == pytest.approx(72.5)
+    assert inner["window_s"] == pytest.approx(mon.times[2] - mon.times[1])
 
 
 def test_background_thread_samples_at_10_hz_or_more():
