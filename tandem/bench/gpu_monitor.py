@@ -265,6 +265,16 @@ class GpuMonitor:
             "devices": devices,
         }
 
+    def util_during(self, spans: list[tuple[float, float]]) -> float | None:
+        """Mean utilization (over devices and samples) of the samples taken inside any of the
+        perf_counter `spans`: how busy the GPU was during one phase of a repeated loop."""
+        if not self.available:
+            return None
+        vals = [dev[k]["util"] for k, t in enumerate(self.times)
+                if any(a <= t <= b for a, b in spans)
+                for dev in self.samples if dev[k]["util"] is not None]
+        return float(np.mean(vals)) if vals else None
+
     def samples_json(self) -> dict:
         """Every sample, column-wise per device, with times relative to the start."""
         t0 = self._span[0]

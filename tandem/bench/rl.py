@@ -107,7 +107,7 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     trainer = GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
                           engine_kwargs={"max_num_seqs": 256})
     trainer.step()  # warm-up
-    steps = []
+    steps, spans = [], []
     with GpuMonitor() as mon:
         for _ in range(cfg.steps):
             torch.cuda.synchronize()
@@ -116,10 +116,13 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
             torch.cuda.synchronize()
             m["wall"] = time.perf_counter() - t0
             steps.append(m)
+            spans.append(trainer.last_phase_spans)
     out = _summary(steps, cfg)
-    out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps)
-                          for k in ("weight_sync", "generate", "reward", "train")}
+    phases = ("weight_sync", "generate", "reward", "train")
+    out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps) for k in phases}
     out["gpu"] = mon.summary()
+    # which phase leaves the GPU idle (NVML utilization of the samples inside each phase)
+    out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in phases}
     out["engine_memory"] = trainer.llm.memory_report()
     del trainer, model
     return out
@@ -193,6 +196,9 @@ def run(cfg: RLBenchConfig) -> dict:
         print(f"tandem step is {results['speedup_vs_trl']:.1f}x faster than TRL (use_vllm=False)")
     if "breakdown_s" in results.get("tandem", {}):
         print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results["tandem"]["breakdown_s"].items()))
+        by_phase = {k: v for k, v in results["tandem"]["gpu_util_by_phase"].items() if v is not None}
+        if by_phase:
+            print("tandem GPU utilization by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in by_phase.items()))
     report = make_report("rl", asdict(cfg), results)
     finish(report, cfg.output)
     return report

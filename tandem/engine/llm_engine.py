@@ -84,7 +84,7 @@ class LLMEngine(ColocationMixin):
             self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
         self.kernel_warmup_s = None
         if self.device.type == "cuda" and self.attention_backend == "triton":
-            self.kernel_warmup_s = self.model_runner.warmup_kernels()
+            self.kernel_warmup_s = self.model_runner.warmup_kernels(self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         graphs = self.model_runner.graph_runner is not None  # without them no step is cheaper
         self.scheduler = Scheduler(

@@ -262,7 +262,7 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    def warmup_kernels(self) -> float:
+    def warmup_kernels(self, max_model_len: int) -> float:
         """Compile, before serving, every Triton variant an eager step can reach.
 
         Graph capture compiles the decode path. What it leaves is shape-dependent: prefill
@@ -281,7 +281,8 @@ class ModelRunner:
         group = a.num_heads // a.num_kv_heads
         dev = self.device
         hidden = None
-        for q_len in tile_rows_classes(group, self.dtype):
+        longest = min(max_model_len, self.config.max_num_batched_tokens)  # no step's query is longer
+        for q_len in tile_rows_classes(group, self.dtype, longest):
             meta = AttentionMetadata(
                 slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=dev),
                 query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev),

@@ -188,9 +188,11 @@ class GRPOTrainer:
         """One generation round and the optimizer steps it feeds; returns the logged metrics."""
         a = self.args
         times = {}
+        spans = self.last_phase_spans = {}  # phase -> (perf_counter start, end), for GPU monitors
         t = time.perf_counter()
         self.generator.sync()
         times["time/weight_sync"] = time.perf_counter() - t
+        spans["weight_sync"] = (t, t + times["time/weight_sync"])
         t = time.perf_counter()
         indices = self.dist.shard(self.sampler.next_batch())  # this rank's prompts of the global batch
         batch = build_prompt_batch(self.train_dataset, indices, self.tokenizer,
@@ -199,6 +201,7 @@ class GRPOTrainer:
         offset = self.dist.shard_offset(len(indices))
         rollout = self.generator.rollout(batch, a.num_generations, self.sampling_params, seed, offset)
         times["time/generate"] = time.perf_counter() - t
+        spans["generate"] = (t, t + times["time/generate"])
         t = time.perf_counter()
         prompts = batch.repeated_prompts(a.num_generations)
         local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
@@ -207,9 +210,11 @@ class GRPOTrainer:
         rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
         advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
         times["time/reward"] = time.perf_counter() - t
+        spans["reward"] = (t, t + times["time/reward"])
         t = time.perf_counter()
         train_metrics = self._train_on(rollout, advantages.to(self.device))
         times["time/train"] = time.perf_counter() - t
+        spans["train"] = (t, t + times["time/train"])
         metrics = {**reward_metrics(result.rewards, a.num_generations), **result.metrics(), **train_metrics,
                    **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
                    "engine/weights_version": self.generator.weights_version}

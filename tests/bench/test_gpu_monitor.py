@@ -70,6 +70,8 @@ def test_summary_of_scripted_samples():
     assert d["sm_active_mean"] is None  # no GPM on this device
     cols = mon.samples_json()
     assert cols["devices"][0]["util"] == [0, 50, 95, 100] and len(cols["t"]) == 4
+    assert mon.util_during([(mon.times[0], mon.times[0]), (mon.times[3], mon.times[3])]) == pytest.approx(50.0)
+    assert mon.util_during([]) is None
     # the load's window only: client start-up before it and the tail after it are left out
     inner = mon.summary(window=(mon.times[1], mon.times[2]))
     d = inner["devices"][0]

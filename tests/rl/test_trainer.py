@@ -47,7 +47,13 @@ def test_tiny_model_learns_from_engine_rollouts(tmp_path):
 
 def test_a_skipped_weight_sync_is_caught(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, max_steps=2)
-    trainer.step()
+    m = trainer.step()
+    # the phases' spans, for GPU monitors: in order, back to back, as long as the logged times
+    spans = trainer.last_phase_spans
+    assert list(spans) == ["weight_sync", "generate", "reward", "train"]
+    ends = [b for _, b in spans.values()]
+    assert all(a <= b for a, b in spans.values()) and ends == sorted(ends)
+    assert spans["train"][1] - spans["train"][0] == pytest.approx(m["time/train"])
     monkeypatch.setattr(trainer.llm.llm_engine, "load_weights", lambda weights: 0)
     with pytest.raises(RuntimeError, match="weight sync"):
         trainer.step()
