@@ -18,7 +18,7 @@ import gc
 def frozen_heap():
     """Freeze what exists now for the duration of the block. A no-op inside another freeze
     (anyone's): only the outermost unfreezes, and only what it froze is pending then."""
-    if gc.get_freeze_count() or not gc.isenabled():
+    if gc.get_freeze_count():
         yield
         return
     gc.freeze()
