@@ -228,7 +228,7 @@ class GpuMonitor:
         if not self.available:
             return {"available": False, "reason": self.reason, "devices": []}
         wall = (self._span[1] or time.perf_counter()) - self._span[0]
-        keep = [k for k, t in enumerate(self.times) if window is None or window[0] <= t <= window[1]]
+        keep = range(len(self.times)) if window is None else self._indices_in([window])
         devices = []
         for info, all_rows in zip(self.devices, self.samples):
             rows = [all_rows[k] for k in keep]
@@ -270,10 +270,13 @@ class GpuMonitor:
         perf_counter `spans`: how busy the GPU was during one phase of a repeated loop."""
         if not self.available:
             return None
-        vals = [dev[k]["util"] for k, t in enumerate(self.times)
-                if any(a <= t <= b for a, b in spans)
+        vals = [dev[k]["util"] for k in self._indices_in(spans)
                 for dev in self.samples if dev[k]["util"] is not None]
         return float(np.mean(vals)) if vals else None
+
+    def _indices_in(self, spans: list[tuple[float, float]]) -> list[int]:
+        """Indices of the samples taken inside any of the perf_counter `spans`."""
+        return [k for k, t in enumerate(self.times) if any(a <= t <= b for a, b in spans)]
 
     def samples_json(self) -> dict:
         """Every sample, column-wise per device, with times relative to the start."""

@@ -98,6 +98,7 @@ def _batching(cfg: RLBenchConfig) -> dict:
 def run_tandem(cfg: RLBenchConfig) -> dict:
     from tandem.bench.gpu_monitor import GpuMonitor
     from tandem.rl import GRPOConfig, GRPOTrainer
+    from tandem.rl.trainer import PHASES
 
     model, tok, data = _model_and_data(cfg)
     args = GRPOConfig(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
@@ -118,11 +119,10 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
             steps.append(m)
             spans.append(trainer.last_phase_spans)
     out = _summary(steps, cfg)
-    phases = ("weight_sync", "generate", "reward", "train")
-    out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps) for k in phases}
+    out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps) for k in PHASES}
     out["gpu"] = mon.summary()
     # which phase leaves the GPU idle (NVML utilization of the samples inside each phase)
-    out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in phases}
+    out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in PHASES}
     out["engine_memory"] = trainer.llm.memory_report()
     del trainer, model
     return out

@@ -139,27 +139,27 @@ def _prefill_attention_kernel(
              mask=row_mask[:, None] & d_mask[None, :])
 
 
-def _tile_config(q: torch.Tensor, max_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for this dtype and at most `max_rows` rows."""
-    if q.dtype == torch.float32:  # tests only: keep shared memory modest
+def _tile_config(dtype: torch.dtype, max_query_len: int, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for queries of at most `max_query_len` tokens with
+    `group` query heads per KV head (a tile holds BLOCK_M // group positions of all of them)."""
+    if dtype == torch.float32:  # tests only: keep shared memory modest
         block_m, block_n, num_warps = 64, 32, 4
     else:
         block_m, block_n, num_warps = 128, 64, 8
-    block_m = max(16, min(block_m, triton.next_power_of_2(max_rows)))
+    block_m = max(16, min(block_m, triton.next_power_of_2(max_query_len * group)))
     if block_m <= 64:
         num_warps = 4
-    return block_m, block_n, num_warps, 2
+    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps, 2
 
 
 def tile_rows_classes(group: int, dtype: torch.dtype, max_query_len: int = 1 << 16) -> list[int]:
     """One longest-query length per distinct tile config (one compiled variant each), shortest
     first: what a warm-up must run so that no step compiles later."""
-    q = torch.empty(0, dtype=dtype)
     seen, lens = set(), []
     for q_len in range(1, max_query_len + 1):
-        block_m = max(_tile_config(q, q_len * group)[0], triton.next_power_of_2(group))
-        if block_m not in seen:
-            seen.add(block_m)
+        config = _tile_config(dtype, q_len, group)
+        if config not in seen:
+            seen.add(config)
             lens.append(q_len)
         if q_len * group >= 128:  # the largest tile is reached
             break
@@ -192,8 +192,7 @@ def prefill_attention(
     if T == 0 or batch == 0 or max_query_len == 0:
         return out
     group = num_heads // num_kv_heads
-    block_m, block_n, num_warps, num_stages = _tile_config(q_TNH, max_query_len * group)
-    block_m = max(block_m, triton.next_power_of_2(group))
+    block_m, block_n, num_warps, num_stages = _tile_config(q_TNH.dtype, max_query_len, group)
     block_q = block_m // group
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
     _prefill_attention_kernel[grid](

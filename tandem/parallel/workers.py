@@ -196,7 +196,6 @@ class _DriverState:
                 runner.release_cudagraphs()
             _destroy_bounded()
 
-
     def _send_shutdown(self) -> None:
         try:
             dist.broadcast_object_list([("shutdown", ())], src=0, group=self.side)

@@ -35,6 +35,8 @@ from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
 from tandem.sampling_params import SamplingParams
 
+PHASES = ("weight_sync", "generate", "reward", "train")  # one step, in order
+
 
 class GRPOTrainer:
     """TRL's GRPOTrainer interface, with tandem's engine in the same process and on the same GPU."""
@@ -187,34 +189,28 @@ class GRPOTrainer:
     def step(self) -> dict:
         """One generation round and the optimizer steps it feeds; returns the logged metrics."""
         a = self.args
-        times = {}
-        spans = self.last_phase_spans = {}  # phase -> (perf_counter start, end), for GPU monitors
-        t = time.perf_counter()
+        marks = [time.perf_counter()]  # phase boundaries: weight sync | generate | reward | train
         self.generator.sync()
-        times["time/weight_sync"] = time.perf_counter() - t
-        spans["weight_sync"] = (t, t + times["time/weight_sync"])
-        t = time.perf_counter()
+        marks.append(time.perf_counter())
         indices = self.dist.shard(self.sampler.next_batch())  # this rank's prompts of the global batch
         batch = build_prompt_batch(self.train_dataset, indices, self.tokenizer,
                                    a.max_prompt_length, a.chat_template_kwargs)
         seed = (a.seed * 1_000_003 + self.global_step * 65_537) % (1 << 31)
         offset = self.dist.shard_offset(len(indices))
         rollout = self.generator.rollout(batch, a.num_generations, self.sampling_params, seed, offset)
-        times["time/generate"] = time.perf_counter() - t
-        spans["generate"] = (t, t + times["time/generate"])
-        t = time.perf_counter()
+        marks.append(time.perf_counter())
         prompts = batch.repeated_prompts(a.num_generations)
         local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
                              **batch.reward_columns(a.num_generations))
         result = gather_rewards(self.dist, local)  # the global batch's ("batch" scaling needs all)
         rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
         advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
-        times["time/reward"] = time.perf_counter() - t
-        spans["reward"] = (t, t + times["time/reward"])
-        t = time.perf_counter()
+        marks.append(time.perf_counter())
         train_metrics = self._train_on(rollout, advantages.to(self.device))
-        times["time/train"] = time.perf_counter() - t
-        spans["train"] = (t, t + times["time/train"])
+        marks.append(time.perf_counter())
+        # phase -> (perf_counter start, end), for GPU monitors; the logged times are their lengths
+        spans = self.last_phase_spans = dict(zip(PHASES, zip(marks, marks[1:])))
+        times = {f"time/{k}": end - start for k, (start, end) in spans.items()}
         metrics = {**reward_metrics(result.rewards, a.num_generations), **result.metrics(), **train_metrics,
                    **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
                    "engine/weights_version": self.generator.weights_version}
