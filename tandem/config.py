@@ -33,6 +33,10 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space_gib: float = 4.0  # KV cache size when running on a CPU (vLLM's default)
     max_seq_len_to_capture: int = 8192
+    # Steps of up to this many tokens (prefill chunks and decode rows mixed) replay CUDA graphs,
+    # one per size of a token ladder; larger steps run eagerly. Decode steps have their own
+    # graphs up to max_num_seqs. 0 captures decode graphs only.
+    max_cudagraph_capture_size: int = 4096
     logprobs_mode: str = "raw_logprobs"
     trust_remote_code: bool = False
     revision: str | None = None
@@ -46,10 +50,10 @@ class EngineConfig:
     stream_interval: int = 1
     # While the running batch decodes in a CUDA graph, new prompts may wait up to this many steps
     # to join it together (they join at once in a burst or when half a step's token budget
-    # waits). A step that carries a prefill runs eagerly: ~24 ms of kernel launches on an H200
-    # host against ~3 ms for a graph decode, so under a steady stream of requests admitting each
-    # on arrival makes most steps eager. TGI's max_waiting_tokens does the same. 0 (the default)
-    # admits at once; without graphs (CPU, enforce_eager) nothing waits.
+    # waits). A step that carries a prefill costs more than a decode step (more tokens, and an
+    # eager launch of ~20 ms above max_cudagraph_capture_size), so under a steady stream of
+    # requests admitting each on arrival makes most steps mixed. TGI's max_waiting_tokens does the
+    # same. 0 (the default) admits at once; without graphs (CPU, enforce_eager) nothing waits.
     max_admission_delay_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +73,8 @@ class EngineConfig:
             )
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.max_cudagraph_capture_size < 0:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {self.max_cudagraph_capture_size}")
         if self.max_admission_delay_steps < 0:
             raise ValueError(f"max_admission_delay_steps must be >= 0, got {self.max_admission_delay_steps}")
         if self.max_num_seqs < 1:

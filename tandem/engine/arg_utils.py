@@ -19,6 +19,8 @@ _HELP = {
     "block_size": "tokens per KV-cache block",
     "load_format": "auto | dummy (random weights) | safetensors | pt | gguf",
     "enforce_eager": "no CUDA graphs",
+    "max_cudagraph_capture_size": "steps of up to this many tokens (prefill and decode mixed) replay "
+    "CUDA graphs; 0: decode graphs only",
     "attention_backend": "auto | torch | triton",
     "async_scheduling": "launch each step before the previous one's tokens are read back "
     "(default: on for CUDA)",

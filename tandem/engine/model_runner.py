@@ -241,13 +241,14 @@ class ModelRunner:
         if self.graph_runner is None:
             return
         torch.cuda.synchronize(self.device)  # no replay may still be running
-        for graph in self.graph_runner.graphs.values():
+        for graph in self.graph_runner.all_graphs():
             graph.reset()  # destroys the executable graph now, not whenever refcounts let go
         self.graph_runner = None
         self.graph_bytes = 0
 
     def capture_cudagraphs(self, max_model_len: int) -> float:
-        """Capture decode graphs for the batch-size ladder; returns the seconds it took."""
+        """Capture decode graphs for the batch-size ladder and mixed-step graphs for the token-count
+        ladder; returns the seconds it took."""
         import time
 
         from tandem.engine.cuda_graph import CUDAGraphRunner
@@ -256,7 +257,9 @@ class ModelRunner:
         self.graph_runner = None
         before = torch.cuda.memory_allocated(self.device)
         max_blocks = -(-max_model_len // self.block_size)
-        self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks, self.device)
+        max_mixed = min(self.config.max_cudagraph_capture_size, self.config.max_num_batched_tokens)
+        self.graph_runner = CUDAGraphRunner(self.model, self.config.max_num_seqs, max_blocks, self.device,
+                                            max_mixed)
         self.graph_runner.capture()
         self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
         return time.perf_counter() - t0
@@ -311,19 +314,22 @@ class ModelRunner:
     def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
         """Launch the step; returns device tensors without waiting for the device."""
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
-        if not sample_rows:
-            with set_attention_metadata(meta):
-                self.model(input_ids, positions)
-            return None
-        sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
         graphs = self.graph_runner
-        if meta.decode_only and graphs is not None and graphs.can_run(len(sched.seqs)):
+        num_seqs = len(sched.seqs)
+        if meta.decode_only and sample_rows and graphs is not None and graphs.can_run(num_seqs):
             logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
         else:
-            with set_attention_metadata(meta):
-                hidden = self.model(input_ids, positions)
+            if graphs is not None and graphs.can_run_mixed(input_ids.shape[0], num_seqs):
+                hidden = graphs.run_mixed(input_ids, positions, meta.slot_mapping, meta.query_start_loc,
+                                          meta.seq_lens, meta.block_tables)
+            else:
+                with set_attention_metadata(meta):
+                    hidden = self.model(input_ids, positions)
+            if not sample_rows:
+                return None
             if len(sample_rows) < hidden.shape[0]:
                 rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
                 hidden = hidden[rows]
             logits = self.model.compute_logits(hidden)
+        sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
         return self.sampler(logits, self.prepare_sampling(sampling_seqs))

@@ -3,6 +3,8 @@
 Reference: `attention_ref.paged_attention_ref`. Every key, including this step's, is read from the
 cache. One program handles one tile of rows of one (sequence, kv head): a row is a (query token,
 query head of the kv head's group) pair, so each key tile is loaded once for the whole group.
+Tiles are numbered across the batch and each program finds its sequence by binary search over
+query_start_loc, so the grid depends on the step's shape only (CUDA graphs capture mixed steps).
 Flash-attention online softmax in the exp2 domain, fp32 accumulation.
 """
 
@@ -64,13 +66,32 @@ def _attn_tile(
     return acc, l_i, m_new
 
 
-# The block-table width changes with the step's longest sequence: not specialized on, so it costs
-# no compile mid-serving (Triton would otherwise split widths 1, multiples of 16 and the rest).
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning flat tile index `tile`: the last s with qsl[s] // BLOCK_Q + s <= tile.
+
+    Sequence s's tiles are numbered from qsl[s] // BLOCK_Q + s on; that start grows with s, and the
+    range up to the next sequence's start holds at least cdiv(q_len, BLOCK_Q) indices, so every
+    tile of every sequence has an index below T // BLOCK_Q + num_seqs. Binary search, no host data.
+    """
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+# The block-table width and batch size change with every step: not specialized on, so they cost
+# no compile mid-serving (Triton would otherwise split values 1, multiples of 16 and the rest).
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale,
+    num_seqs, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
@@ -84,12 +105,13 @@ def _prefill_attention_kernel(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    q_tile = tl.program_id(0)
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    seq = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_tile = tile - (q_start // BLOCK_Q + seq)
     if q_tile * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -179,7 +201,10 @@ def prefill_attention(
     """Causal attention of q [T, N, H] against the paged cache; returns [T, N, H].
 
     Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]], the last tokens of its
-    seq_lens[b] cached tokens. Only `max_query_len` is read on the host, so there is no sync.
+    seq_lens[b] cached tokens. Only `max_query_len` is read on the host (it picks the tile), so
+    there is no sync; it may overstate the longest query, and q may hold rows past the last
+    sequence's queries (a CUDA graph's padding): those rows' outputs are left unwritten. The grid
+    follows T and the batch size alone, so a captured graph serves any batch of its shape.
     """
     T, num_heads, head_dim = q_TNH.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -194,11 +219,11 @@ def prefill_attention(
     group = num_heads // num_kv_heads
     block_m, block_n, num_warps, num_stages = _tile_config(q_TNH.dtype, max_query_len, group)
     block_q = block_m // group
-    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, batch)
+    grid = (T // block_q + batch, num_kv_heads)
     _prefill_attention_kernel[grid](
         q_TNH, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
-        scale * LOG2E,
+        batch, scale * LOG2E,
         q_TNH.stride(0), q_TNH.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

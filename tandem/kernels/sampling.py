@@ -19,29 +19,44 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 BLOCK = 4096  # columns per loop step; fixes the noise layout, so it must not depend on shapes
 SUB = BLOCK // 4  # one Philox call yields 4 words: one for each quarter of the block
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _exponential(r):
-    """Exp(1) from 32 random bits, -log(1 - w) with w in (0, 1); accurate near 0 (the Gumbel
-    upper tail, where sampling is decided) by a series instead of 1 - w rounding to 1."""
+def _log2(x, FAST_LOG: tl.constexpr):
+    """log2; on a GPU the hardware's approximate lg2 (one instruction against the ~30 of tl.log2,
+    whose accuracy the noise does not need). The interpreter has no libdevice."""
+    if FAST_LOG:
+        return libdevice.fast_log2f(x)
+    return tl.log2(x)
+
+
+@triton.jit
+def _gumbel(r, FAST_LOG: tl.constexpr):
+    """Gumbel noise from 32 random bits, up to a constant: -log(E) with E = -log(1 - w) ~ Exp(1),
+    w in (0, 1). E is accurate near 0 (the Gumbel upper tail, where sampling is decided) by a
+    series instead of 1 - w rounding to 1. Both logs in base 2: E / ln 2 and a shift of the score
+    by log(ln 2), the same for every column, leave the argmax alone."""
     w = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)  # < 1 in fp32
-    return tl.where(w < 1e-3, w * (1.0 + 0.5 * w), -tl.log(1.0 - w))
+    e2 = tl.where(w < 1e-3, w * (1.0 + 0.5 * w) * LOG2E, -_log2(1.0 - w, FAST_LOG))
+    return -LN2 * _log2(e2, FAST_LOG)
 
 
 @triton.jit
 def _scan(x, r, cols, inv_t, greedy, m, s, best, best_idx,
-          SAMPLE: tl.constexpr, PROCESSED: tl.constexpr):
+          SAMPLE: tl.constexpr, PROCESSED: tl.constexpr, FAST_LOG: tl.constexpr):
     """Folds one sub-block of fp32 logits x (-inf where masked) into the running state."""
     lp = x * inv_t if PROCESSED else x
     m_new = tl.maximum(m, tl.max(lp, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(lp - m_safe), 0)
     if SAMPLE:
-        score = tl.where(greedy, x, x * inv_t - tl.log(_exponential(r)))
+        score = tl.where(greedy, x, x * inv_t + _gumbel(r, FAST_LOG))
     else:
         score = x
     block_best, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
@@ -60,6 +75,7 @@ def _sample_chunk_kernel(
     vocab, stride_row, blocks_per_chunk, num_chunks,
     SAMPLE: tl.constexpr,
     PROCESSED: tl.constexpr,
+    FAST_LOG: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
 ):
@@ -98,13 +114,13 @@ def _sample_chunk_kernel(
         x2 = tl.load(base + c2, mask=c2 < vocab, other=-float("inf")).to(tl.float32)
         x3 = tl.load(base + c3, mask=c3 < vocab, other=-float("inf")).to(tl.float32)
         m, s, best, best_idx = _scan(x0, r0, c0, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED)
+                                     SAMPLE, PROCESSED, FAST_LOG)
         m, s, best, best_idx = _scan(x1, r1, c1, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED)
+                                     SAMPLE, PROCESSED, FAST_LOG)
         m, s, best, best_idx = _scan(x2, r2, c2, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED)
+                                     SAMPLE, PROCESSED, FAST_LOG)
         m, s, best, best_idx = _scan(x3, r3, c3, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED)
+                                     SAMPLE, PROCESSED, FAST_LOG)
     out = row * num_chunks + chunk
     tl.store(part_m_ptr + out, m)
     tl.store(part_s_ptr + out, s)
@@ -212,7 +228,8 @@ def sample(
         logits, inv_t, greedy if sample_rows else inv_t, seeds if sample_rows else inv_t,
         part[0], part[1], part[2], part_idx,
         V, logits.stride(0), blocks_per_chunk, num_chunks,
-        SAMPLE=sample_rows, PROCESSED=processed, BLOCK=BLOCK, SUB=SUB, num_warps=4,
+        SAMPLE=sample_rows, PROCESSED=processed, FAST_LOG=dev.type == "cuda", BLOCK=BLOCK, SUB=SUB,
+        num_warps=4,
     )
     token_lp = torch.empty(S, dtype=torch.float32, device=dev)
     _sample_merge_kernel[(S,)](

@@ -41,7 +41,7 @@ class EngineStats:
     generation_tokens: int = 0
     is_sleeping: bool = False
     weights_version: int = 0
-    # engine steps by kind ("decode": a CUDA graph where captured; "prefill_or_mixed": eager),
+    # engine steps by kind ("decode" and "prefill_or_mixed": each a CUDA graph where captured),
     # and the host seconds they took: {kind: (steps, seconds)}
     step_stats: dict[str, tuple[int, float]] | None = None
 

@@ -46,6 +46,36 @@ def test_gpu_greedy_equals_torch_reference_fp32(arch):
 
 
 @pytest.mark.gpu
+def test_gpu_mixed_step_graphs_equal_eager_steps():
+    """Requests arriving while others decode make mixed steps (prefill chunks beside decode rows)
+    of many sizes: replayed from the token-count graphs, their tokens equal an eager engine's, and
+    a step larger than the ladder runs eagerly."""
+    model = make_tiny_model("qwen2", max_position_embeddings=1024).cuda()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [list(range(3 + i, 3 + i + 5 + 37 * (i % 7))) for i in range(24)]
+
+    def run(**kwargs):
+        llm = LLM(model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=16,
+                  max_num_batched_tokens=300, **kwargs)
+        engine, done = llm.llm_engine, {}
+        for i, prompt in enumerate(prompts):  # three arrivals per step
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+            if i % 3 == 2:
+                done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert_no_leak(llm)
+        return [done[str(i)] for i in range(len(prompts))], engine.model_runner.graph_runner
+
+    got, graphs = run(max_cudagraph_capture_size=256)
+    assert graphs.num_replays["mixed"] > 0 and graphs.num_replays["decode"] > 0
+    assert max(graphs.mixed_graphs) == 256  # steps of 257-300 tokens ran eagerly
+    expected, no_graphs = run(enforce_eager=True)
+    assert no_graphs is None
+    assert got == expected
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_agrees_with_hf_bf16():
     """bf16 kernels differ from HF's in rounding only. HF, fed the engine's own greedy tokens, rates
     each one within 0.1 nats of its own best at >= 95% of positions (vLLM's check_logprobs_close

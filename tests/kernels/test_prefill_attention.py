@@ -95,3 +95,28 @@ def test_tile_rows_classes_reach_every_tile_config(group, dtype):
     assert lens == sorted(lens)
     assert len({config(n) for n in lens}) == len(lens)
     assert {config(n) for n in range(1, 4097)} == {config(n) for n in lens}
+
+
+@pytest.mark.parametrize("group,block_size", [(6, 16), (1, 8)])
+def test_prefill_padded_like_a_cuda_graph(group, block_size, device, paged_kv, close):
+    """A captured mixed step: more rows than queries, sequences with no queries and no context
+    after the real ones, and the tile picked for the graph's size rather than the longest query.
+    Real rows match the reference; nothing reads the padding."""
+    batch = [(30, 30), (61, 1), (9, 1), (40, 17)]
+    seq_lens = [n for n, _ in batch]
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, 2, 64, block_size, torch.float32, device)
+    qsl = [0]
+    for _, lq in batch:
+        qsl.append(qsl[-1] + lq)
+    real, rows, pad_seqs = qsl[-1], 64, 5
+    q = torch.randn(rows, 2 * group, 64, generator=torch.Generator().manual_seed(2)).to(device)
+    tables = torch.cat([block_tables, torch.zeros(pad_seqs, block_tables.shape[1], dtype=torch.int32,
+                                                  device=device)])
+    out = prefill_attention(
+        q, k_cache, v_cache,
+        torch.tensor(qsl + [real] * pad_seqs, dtype=torch.int32, device=device),
+        torch.tensor(seq_lens + [0] * pad_seqs, dtype=torch.int32, device=device),
+        tables, rows, 0.125,
+    )
+    ref = paged_attention_ref(q[:real], k_cache, v_cache, qsl, seq_lens, block_tables, 0.125)
+    close(out[:real], ref)
