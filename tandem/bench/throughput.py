@@ -173,6 +173,7 @@ def run_tandem(
         torch.cuda.reset_peak_memory_stats()
     eng = llm.llm_engine
     eng.step_stats = {k: [0, 0.0] for k in eng.step_stats}
+    eng.device_wait_s = 0.0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=cfg.progress)
     if dev.type == "cuda":
@@ -184,8 +185,12 @@ def run_tandem(
     fig = _figures("tandem", elapsed, prompts, produced, peak)
     fig["step_stats"] = {k: {"steps": n, "seconds": sec, "ms_per_step": 1e3 * sec / max(1, n)}
                          for k, (n, sec) in eng.step_stats.items()}
+    steps = sum(v["steps"] for v in fig["step_stats"].values())
+    fig["host_waiting_on_device_s"] = eng.device_wait_s
     print("tandem steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f} ms"
-                                       for k, v in fig["step_stats"].items()))
+                                       for k, v in fig["step_stats"].items())
+          + f"; the host waited on the device {1e3 * eng.device_wait_s / max(1, steps):.2f} ms/step"
+          " (near 0: the host is the bottleneck)")
     if cfg.profile:
         from tandem.bench.profile_step import profile_decode
 

@@ -7,6 +7,8 @@ next step, whose placeholder inputs read the same tokens straight from `token_id
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tandem.layers.sampler import SamplerOutput
@@ -28,12 +30,15 @@ class AsyncSamplerOutput:
         else:
             self._host = packed
         self._lists = None
+        self.wait_s = 0.0  # how long `get` waited for the device to finish the step
 
     def get(self) -> tuple[list[int], list[float], list | None, list | None, list | None]:
         """(token ids, logprobs, top-k ids, top-k logprobs, ranks) as Python lists."""
         if self._lists is None:
             if self._event is not None:
+                t0 = time.perf_counter()
                 self._event.synchronize()
+                self.wait_s = time.perf_counter() - t0
             ids_lps, topk_ids, topk_lps, ranks = (None if t is None else t.tolist() for t in self._host)
             token_ids = [int(t) for t in ids_lps[0]]
             self._lists = (token_ids, ids_lps[1], topk_ids, topk_lps, ranks)

@@ -104,6 +104,9 @@ class LLMEngine(ColocationMixin):
         self.num_generated_tokens = 0
         self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
+        # host seconds spent waiting for the device to finish a step (the rest of a step's host
+        # time is the host's own work: when it is most of it, the host is the bottleneck)
+        self.device_wait_s = 0.0
 
     # -- setup ---------------------------------------------------------------------------------------
     def _use_cumem(self) -> bool:
@@ -303,6 +306,7 @@ class LLMEngine(ColocationMixin):
 
     def _postprocess(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput, touched: dict[str, RequestState]) -> None:
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
+        self.device_wait_s += sampled.wait_s
         interval = self.config.stream_interval
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):

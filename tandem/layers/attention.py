@@ -18,6 +18,13 @@ class TorchAttentionBackend:
     def store_kvcache(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
 
+    def rotary_store_kvcache(self, rotary_emb, positions, q, k, v, k_cache, v_cache,
+                             meta: AttentionMetadata):
+        """Rotate q and k, then write k and v to the cache; returns the rotated q."""
+        q, k = rotary_emb(positions, q, k)
+        self.store_kvcache(k, v, k_cache, v_cache, meta)
+        return q
+
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(
             q, k_cache, v_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, scale
@@ -37,11 +44,20 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = TorchAttentionBackend()
 
-    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> torch.Tensor:
+    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor,
+                positions: torch.Tensor | None = None, rotary_emb: nn.Module | None = None) -> torch.Tensor:
+        """With `rotary_emb`, q and k are rotated at `positions` first (the Triton backend does it
+        in the kernel that writes the cache)."""
         meta = get_attention_metadata()
         if meta is None or self.k_cache is None:
+            if rotary_emb is not None:
+                q_TNH, k_TNH = rotary_emb(positions, q_TNH, k_TNH)
             return self._no_cache_causal(q_TNH, k_TNH, v_TNH)
-        self.backend.store_kvcache(k_TNH, v_TNH, self.k_cache, self.v_cache, meta)
+        if rotary_emb is not None:
+            q_TNH = self.backend.rotary_store_kvcache(rotary_emb, positions, q_TNH, k_TNH, v_TNH,
+                                                      self.k_cache, self.v_cache, meta)
+        else:
+            self.backend.store_kvcache(k_TNH, v_TNH, self.k_cache, self.v_cache, meta)
         return self.backend.forward(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
 
     def _no_cache_causal(self, q, k, v) -> torch.Tensor:

@@ -12,6 +12,7 @@ from tandem.engine.forward_context import AttentionMetadata
 from tandem.kernels.decode_attention import decode_attention
 from tandem.kernels.kv_cache import store_kvcache
 from tandem.kernels.prefill_attention import prefill_attention
+from tandem.kernels.rotary import apply_rotary_and_store_kv
 
 
 class TritonAttentionBackend:
@@ -21,6 +22,17 @@ class TritonAttentionBackend:
 
     def store_kvcache(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def rotary_store_kvcache(self, rotary_emb, positions, q, k, v, k_cache, v_cache,
+                             meta: AttentionMetadata):
+        """One kernel rotates q and k in place and writes k and v to the cache."""
+        if q.requires_grad or k.requires_grad:  # the kernel has no backward
+            q, k = rotary_emb(positions, q, k)
+            self.store_kvcache(k, v, k_cache, v_cache, meta)
+            return q
+        q, _ = apply_rotary_and_store_kv(positions, q, k, v, rotary_emb.cos_cache, rotary_emb.sin_cache,
+                                         k_cache, v_cache, meta.slot_mapping)
+        return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.decode_only:

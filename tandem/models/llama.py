@@ -54,8 +54,7 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             q_TNH = self.q_norm(q_TNH)
             k_TKH = self.k_norm(k_TKH)
-        q_TNH, k_TKH = self.rotary_emb(positions, q_TNH, k_TKH)
-        o_TNH = self.attn(q_TNH, k_TKH, v_TKH)
+        o_TNH = self.attn(q_TNH, k_TKH, v_TKH, positions, self.rotary_emb)
         return self.o_proj(o_TNH.reshape(T, q_size))
 
 

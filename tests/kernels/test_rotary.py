@@ -103,3 +103,31 @@ def test_cuda_graph_replay_with_new_positions():
         _, q0, k0, _ = qkv(64, 12, 2, 128, torch.bfloat16, "cuda")
         rq, rk = apply_rotary_ref(positions, q0, k0, layer.cos_cache, layer.sin_cache)
         assert torch.equal(q, rq) and torch.equal(k, rk), step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(12, 2, 128, 16), (3, 3, 80, 8)])
+def test_fused_cache_write_equals_rotary_then_store(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                    device):
+    """One kernel for rotary + cache write gives what the two kernels give, bit for bit; a
+    padding token (slot -1) is rotated but touches no cache slot."""
+    from tandem.kernels.kv_cache import store_kvcache
+    from tandem.kernels.rotary import apply_rotary_and_store_kv
+
+    layer = rope(head_dim).to(device)
+    T = 9
+    positions = torch.tensor([5, 0, 1, 4095, 77, 3, 2048, 9, 10], device=device)
+    slots = torch.tensor([3, 17, -1, 40, 2, 63, -1, 0, 22], device=device)
+    gen = torch.Generator().manual_seed(3)
+    cache_shape = (64 // block_size, block_size, num_kv_heads, head_dim)
+    caches = torch.randn(2, *cache_shape, generator=gen).to(device, dtype)
+    fused, q, k, v = qkv(T, num_heads, num_kv_heads, head_dim, dtype, device)
+    want_fused, wq, wk, wv = qkv(T, num_heads, num_kv_heads, head_dim, dtype, device)
+    want_caches = caches.clone()
+    apply_rotary(positions, wq, wk, layer.cos_cache, layer.sin_cache)
+    store_kvcache(wk, wv, want_caches[0], want_caches[1], slots)
+    oq, ok = apply_rotary_and_store_kv(positions, q, k, v, layer.cos_cache, layer.sin_cache,
+                                       caches[0], caches[1], slots)
+    assert oq.data_ptr() == q.data_ptr() and ok.data_ptr() == k.data_ptr()
+    assert torch.equal(fused, want_fused)  # q and k rotated in place, v untouched
+    assert torch.equal(caches, want_caches)
