@@ -119,6 +119,7 @@ class BlockManager:
                 if block.hash is None:  # nothing cached in it: reuse it before cached blocks
                     self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table.clear()
+        seq.block_table_epoch += 1
         seq.num_registered_blocks = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -30,6 +30,7 @@ class ModelRunner:
         self.kv_store = None
         self._sampling_key: tuple | None = None
         self._sampling_meta: SamplingMetadata | None = None
+        self._block_table_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
@@ -118,11 +119,8 @@ class ModelRunner:
                 np.int64, T)
             seq_index = np.repeat(np.arange(B), n)
             positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
-        lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, B)
-        max_blocks = int(lens.max())
-        tables = np.zeros((B, max_blocks), dtype=np.int64)
-        tables[np.arange(max_blocks) < lens[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs), np.int64, int(lens.sum()))
+        tables = self._block_tables(seqs)
+        max_blocks = tables.shape[1]
         slots = tables[seq_index, positions // bs] * bs + positions % bs
         seq_lens = starts + n
         parts = [input_ids, positions, slots, qsl, seq_lens, tables.ravel()]
@@ -163,6 +161,29 @@ class ModelRunner:
         )
         sample_rows = (qsl[1:][np.asarray(sched.sampling, dtype=bool)] - 1).tolist()
         return input_dev, part[1], meta, sample_rows
+
+    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
+        """[B, longest table] int64, zero-padded. Kept between steps: while the batch holds the
+        same sequences (steady decode) only the rows whose table grew are rewritten, not the
+        whole table of every sequence."""
+        B = len(seqs)
+        lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, B)
+        key = np.fromiter(itertools.chain.from_iterable((s.seq_id, s.block_table_epoch) for s in seqs),
+                          np.int64, 2 * B)
+        max_blocks = int(lens.max())
+        cached = self._block_table_cache
+        if (cached is not None and cached[0].shape == key.shape and cached[2].shape[1] >= max_blocks
+                and np.array_equal(cached[0], key)):
+            _, old_lens, tables = cached
+            for row in np.flatnonzero(lens != old_lens).tolist():
+                table = seqs[row].block_table
+                tables[row, : len(table)] = table
+        else:
+            tables = np.zeros((B, max_blocks + 4), dtype=np.int64)  # room to grow a few blocks
+            tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
+                itertools.chain.from_iterable(s.block_table for s in seqs), np.int64, int(lens.sum()))
+        self._block_table_cache = (key, lens, tables)
+        return tables[:, :max_blocks]
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """Per-row sampling tensors; reused while the batch keeps the same sequences (steady decode)

@@ -144,8 +144,8 @@ class Scheduler:
     def _holds_admission(self, out: SchedulerOutput) -> bool:
         """Whether the waiting prompts stay out of this step, to join a later one together.
 
-        Only a decode-only step is worth keeping so (it can replay a CUDA graph; a step that
-        already carries a prefill chunk runs eagerly anyway), only for max_admission_delay_steps
+        Only a decode-only step is worth keeping so (it replays the cheapest graph; a step that
+        already carries a prefill chunk costs more anyway), only for max_admission_delay_steps
         steps in a row, and never when enough tokens wait to fill half a step, when as many
         requests wait as run (a burst), or when the waiting ones are samples of a running prompt
         (they share its cached blocks and cost little)."""

@@ -52,6 +52,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of full blocks, by content
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        # bumped whenever the block table is emptied (finish, preemption): until then it only grows,
+        # so a row of the model runner's block-table array stays valid while (seq_id, epoch) holds
+        self.block_table_epoch = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
