@@ -44,6 +44,8 @@ def test_tp2_with_cuda_graphs_matches_tp1(dtype):
         assert engine.model_runner.graph_runner is not None  # decode steps replay captured graphs
         got = _greedy(llm, PROMPTS, N)
         assert all(len(g) == N for g in got)
+        replays = engine.model_runner.graph_runner.num_replays
+        assert replays["mixed"] > 0 and replays["decode"] > 0  # the prefill step replayed a graph too
         if dtype == torch.float32:
             assert got == ref
         else:
