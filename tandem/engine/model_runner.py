@@ -336,11 +336,17 @@ class ModelRunner:
         """Launch the step; returns device tensors without waiting for the device."""
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
         graphs = self.graph_runner
-        num_seqs = len(sched.seqs)
+        num_tokens, num_seqs = input_ids.shape[0], len(sched.seqs)
+        rows = None
+        if sample_rows and len(sample_rows) < num_tokens:  # prefill chunks that end mid-prompt
+            rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         if meta.decode_only and sample_rows and graphs is not None and graphs.can_run(num_seqs):
+            # (a decode-shaped step may hold a 1-token chunk of a longer prompt: no row to sample)
             logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            if rows is not None:
+                logits = logits[rows]
         else:
-            if graphs is not None and graphs.can_run_mixed(input_ids.shape[0], num_seqs):
+            if graphs is not None and graphs.can_run_mixed(num_tokens, num_seqs):
                 hidden = graphs.run_mixed(input_ids, positions, meta.slot_mapping, meta.query_start_loc,
                                           meta.seq_lens, meta.block_tables)
             else:
@@ -348,9 +354,6 @@ class ModelRunner:
                     hidden = self.model(input_ids, positions)
             if not sample_rows:
                 return None
-            if len(sample_rows) < hidden.shape[0]:
-                rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                hidden = hidden[rows]
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
         return self.sampler(logits, self.prepare_sampling(sampling_seqs))

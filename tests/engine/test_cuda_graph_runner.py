@@ -77,3 +77,42 @@ def test_padded_graph_steps_equal_eager_steps(rerun_graphs):
     assert runner.num_replays["mixed"] > 0 and runner.num_replays["decode"] > 0
     expected, _ = run(graphs=False)
     assert got == expected
+
+
+def test_decode_shaped_step_with_a_prefill_chunk_samples_the_right_rows(rerun_graphs):
+    """A step of one token per sequence where one of them is a 1-token chunk of a longer prompt
+    has the decode shape (and replays a decode graph) but samples fewer rows than it computes:
+    the sampler gets the logits of the sampling rows only."""
+    model = make_tiny_model("qwen2")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 11], [7, 3], list(range(20, 29))]
+
+    def run(graphs: bool):
+        llm = LLM(model, block_size=8, attention_backend="triton", device="cpu", max_num_seqs=3,
+                  max_num_batched_tokens=3)
+        engine = llm.llm_engine
+        runner = None
+        if graphs:
+            runner = CUDAGraphRunner(engine.model, 3, -(-engine.max_model_len // 8), engine.device, 0)
+            runner.capture()
+            engine.model_runner.graph_runner = runner
+            sampler = engine.model_runner.sampler
+            forward = sampler.forward
+
+            def checked(logits, meta):
+                assert logits.shape[0] == meta.temperature.shape[0], "a logits row per sampled row"
+                return forward(logits, meta)
+
+            sampler.forward = checked
+        done = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        assert_no_leak(llm)
+        return [done[str(i)] for i in range(len(prompts))], runner
+
+    got, runner = run(graphs=True)
+    assert runner.num_replays["decode"] > 0
+    expected, _ = run(graphs=False)
+    assert got == expected
