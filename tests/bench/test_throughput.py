@@ -1,0 +1,18 @@
+"""`tandem bench throughput`'s tandem run on a CPU: every token counted, and the timed run pays
+for its own prefill (its warm-up ran the same prompts, whose cached prefixes must not carry over)."""
+
+import torch
+from model_fixtures import make_tiny_model
+
+from tandem.bench.throughput import ThroughputConfig, run_tandem
+
+
+def test_timed_run_computes_every_prompt_token():
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (40,), generator=gen).tolist() for _ in range(6)]
+    out_lens = [5] * 6
+    cfg = ThroughputConfig(model=None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                           progress=False)
+    fig, _ = run_tandem(make_tiny_model("qwen2"), prompts, out_lens, cfg)
+    assert fig["prefix_cache_hit_tokens"] == 0
+    assert fig["step_stats"]["prefill_or_mixed"]["steps"] >= 240 // 64  # the prompts' 240 tokens
