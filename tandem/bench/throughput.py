@@ -169,7 +169,7 @@ def run_tandem(
     llm.generate(prompts[: len(warm)], warm, use_tqdm=False)
     # The warm-up ran these very prompts: forget their cached prefixes, or the timed run would skip
     # most of its prefill (HF's generate, beside it, computes every prompt token)
-    llm.llm_engine.reset_prefix_cache()
+    llm.reset_prefix_cache()  # the LLM's: under tensor parallel every rank must forget alike
     dev = llm.llm_engine.device
     if dev.type == "cuda":
         torch.cuda.synchronize()
