@@ -16,3 +16,17 @@ def test_timed_run_computes_every_prompt_token():
     fig, _ = run_tandem(make_tiny_model("qwen2"), prompts, out_lens, cfg)
     assert fig["prefix_cache_hit_tokens"] == 0
     assert fig["step_stats"]["prefill_or_mixed"]["steps"] >= 240 // 64  # the prompts' 240 tokens
+
+
+def test_timed_run_under_tensor_parallel_stays_in_step():
+    """With TP=2 (a spawned rank, gloo) the cache reset reaches every rank: they keep scheduling
+    alike, so the timed run finishes and hits no cached prefix."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 300, (24,), generator=gen).tolist() for _ in range(4)]
+    cfg = ThroughputConfig(model=None, dtype="float32", max_num_seqs=4, max_num_batched_tokens=64,
+                           tensor_parallel_size=2, progress=False)
+    fig, llm = run_tandem(make_tiny_model("qwen2", num_key_value_heads=4), prompts, [4] * 4, cfg)
+    try:
+        assert fig["prefix_cache_hit_tokens"] == 0
+    finally:
+        llm.tp_workers.shutdown()
