@@ -195,7 +195,7 @@ def run_tandem(
     print("tandem steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f} ms"
                                        for k, v in fig["step_stats"].items())
           + f"; the host waited on the device {1e3 * eng.device_wait_s / max(1, steps):.2f} ms/step"
-          " (near 0: the host is the bottleneck)")
+          f" (near 0: the host is the bottleneck); prefix-cache hits {fig['prefix_cache_hit_tokens']} tokens")
     if cfg.profile:
         from tandem.bench.profile_step import profile_decode
 
