@@ -3,7 +3,9 @@
 Rounded as `tandem.layers.rotary` computes it in torch: cos/sin are cast from the fp32 cache to
 the activation dtype, and `q * cos`, `rotate_half(q) * sin` and their sum are each rounded to that
 dtype. One program per token rotates all its query and key heads, so a decode step of the whole
-batch is one launch with no host synchronisation (CUDA-graph capturable).
+batch is one launch with no host synchronisation (CUDA-graph capturable). The attention layers'
+variant (`apply_rotary_and_store_kv`) also writes the rotated keys and the values into the paged
+KV cache in the same program, sparing the cache-write kernel's launch.
 """
 
 from __future__ import annotations
