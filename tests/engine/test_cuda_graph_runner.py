@@ -10,6 +10,7 @@ from model_fixtures import assert_no_leak, make_tiny_model
 
 from tandem import LLM, SamplingParams
 from tandem.engine.cuda_graph import CUDAGraphRunner, capture_sizes, mixed_capture_sizes
+from tandem.layers.sampler import Sampler
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the Triton interpreter (tests/conftest.py) runs on CPUs only")
@@ -49,70 +50,61 @@ def test_ladders():
     assert all(b / a <= 1.5 for a, b in zip(sizes[3:], sizes[4:]))  # bounded padding waste
 
 
+def generate(model, prompts, params, max_num_seqs, max_num_batched_tokens, graph_tokens=None,
+             arrivals_per_step=None):
+    """Greedy tokens of every prompt, and the graph runner (None: eager). `graph_tokens`: capture
+    (re-run) graphs with mixed steps up to that many tokens; `arrivals_per_step`: step after every
+    that many new requests, so later prompts join a running batch (None: all arrive first)."""
+    llm = LLM(model, block_size=8, attention_backend="triton", device="cpu", max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=max_num_batched_tokens)
+    engine = llm.llm_engine
+    runner = None
+    if graph_tokens is not None:
+        runner = CUDAGraphRunner(engine.model, max_num_seqs, -(-engine.max_model_len // 8), engine.device,
+                                 graph_tokens)
+        runner.capture()
+        engine.model_runner.graph_runner = runner
+    done = {}
+
+    def step():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        if arrivals_per_step and (i + 1) % arrivals_per_step == 0:
+            step()
+    while engine.has_unfinished_requests():
+        step()
+    assert_no_leak(llm)
+    return [done[str(i)] for i in range(len(prompts))], runner
+
+
 def test_padded_graph_steps_equal_eager_steps(rerun_graphs):
     model = make_tiny_model("qwen2")
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     prompts = [list(range(3 + i, 3 + i + 2 + 9 * (i % 4))) for i in range(7)]
-
-    def run(graphs: bool):
-        llm = LLM(model, block_size=8, attention_backend="triton", device="cpu", max_num_seqs=4,
-                  max_num_batched_tokens=40)
-        engine = llm.llm_engine
-        runner = None
-        if graphs:
-            runner = CUDAGraphRunner(engine.model, 4, -(-engine.max_model_len // 8), engine.device, 32)
-            runner.capture()
-            engine.model_runner.graph_runner = runner
-        done = {}
-        for i, prompt in enumerate(prompts):  # two arrivals per step: steps mix prefill and decode
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-            if i % 2:
-                done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        assert_no_leak(llm)
-        return [done[str(i)] for i in range(len(prompts))], runner
-
-    got, runner = run(graphs=True)
+    # two arrivals per step: steps mix prefill and decode
+    got, runner = generate(model, prompts, params, 4, 40, graph_tokens=32, arrivals_per_step=2)
     assert runner.num_replays["mixed"] > 0 and runner.num_replays["decode"] > 0
-    expected, _ = run(graphs=False)
+    expected, _ = generate(model, prompts, params, 4, 40, arrivals_per_step=2)
     assert got == expected
 
 
-def test_decode_shaped_step_with_a_prefill_chunk_samples_the_right_rows(rerun_graphs):
+def test_decode_shaped_step_with_a_prefill_chunk_samples_the_right_rows(rerun_graphs, monkeypatch):
     """A step of one token per sequence where one of them is a 1-token chunk of a longer prompt
     has the decode shape (and replays a decode graph) but samples fewer rows than it computes:
     the sampler gets the logits of the sampling rows only."""
+    forward = Sampler.forward
+
+    def checked(self, logits, meta):
+        assert logits.shape[0] == meta.temperature.shape[0], "a logits row per sampled row"
+        return forward(self, logits, meta)
+
+    monkeypatch.setattr(Sampler, "forward", checked)
     model = make_tiny_model("qwen2")
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 9, 11], [7, 3], list(range(20, 29))]
-
-    def run(graphs: bool):
-        llm = LLM(model, block_size=8, attention_backend="triton", device="cpu", max_num_seqs=3,
-                  max_num_batched_tokens=3)
-        engine = llm.llm_engine
-        runner = None
-        if graphs:
-            runner = CUDAGraphRunner(engine.model, 3, -(-engine.max_model_len // 8), engine.device, 0)
-            runner.capture()
-            engine.model_runner.graph_runner = runner
-            sampler = engine.model_runner.sampler
-            forward = sampler.forward
-
-            def checked(logits, meta):
-                assert logits.shape[0] == meta.temperature.shape[0], "a logits row per sampled row"
-                return forward(logits, meta)
-
-            sampler.forward = checked
-        done = {}
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-        assert_no_leak(llm)
-        return [done[str(i)] for i in range(len(prompts))], runner
-
-    got, runner = run(graphs=True)
+    got, runner = generate(model, prompts, params, 3, 3, graph_tokens=0)
     assert runner.num_replays["decode"] > 0
-    expected, _ = run(graphs=False)
+    expected, _ = generate(model, prompts, params, 3, 3)
     assert got == expected
