@@ -18,8 +18,15 @@ def test_frozen_heap_hides_then_returns_the_old_heap():
     with frozen_heap():
         frozen = gc.get_freeze_count()
         assert frozen > 0
-        with frozen_heap():  # nested: a no-op
-            assert gc.get_freeze_count() == frozen
+        mid = Node()  # made after the outer freeze
+        mid_ref = weakref.ref(mid)
+        with frozen_heap():  # nested: a no-op, so `mid` stays in the collector's sight
+            # frozen objects freed by refcount leave the count: it may drop, never grow
+            assert gc.get_freeze_count() <= frozen
+            del mid
+            gc.collect()
+            assert mid_ref() is None
+        assert gc.get_freeze_count() > 0  # the inner block's exit left the outer freeze alone
         del old
         gc.collect()
         assert old_ref() is not None  # frozen: no pass looks at it
