@@ -22,13 +22,14 @@ from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.serve.config import ServeConfig
-from tandem.serve.core_client import make_client
+from tandem.serve.core_client import EngineCoreConns, MPClient, make_client
 from tandem.serve.engine_core import (
     ABORT,
     ADD,
     UTILITY,
     EngineCoreOutputs,
     EngineError,
+    EngineInfo,
     EngineUnavailable,
 )
 from tandem.serve.metrics import EngineStats, ServerMetrics
@@ -45,14 +46,17 @@ class AsyncLLM:
     """An engine core behind `submit`/`generate`, `abort`, `call`/`call_utility`, `stats`.
 
     `engine_mode` "process" runs the engine in a spawned process, "thread" in a thread of this
-    one (then `engine_core.engine` is the engine itself, for tests and tools).
+    one (then `engine_core.engine` is the engine itself, for tests and tools). With `attach_to`
+    (an API server of several, `tandem serve --api-server-count`) it uses an engine-core process
+    started elsewhere, through these pipes, and `config` and `engine_mode` are not used.
     """
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: EngineConfig | None = None,
         max_waiting_requests: int | None = None,
         engine_mode: str = ServeConfig.engine_mode,
+        attach_to: tuple[EngineCoreConns, EngineInfo] | None = None,
     ):
         self.max_waiting_requests = max_waiting_requests
         self.metrics = ServerMetrics()
@@ -63,8 +67,12 @@ class AsyncLLM:
         self._lock = threading.Lock()  # orders registrations against the core's exit
         self._error: EngineUnavailable | None = None  # set once the core is gone
         self._num_submitted = 0  # add commands sent (event loop side)
-        self.engine_mode = engine_mode
-        self.engine_core = make_client(engine_mode, config, self._on_outputs, self._on_exit)
+        if attach_to is not None:
+            self.engine_mode = "process"
+            self.engine_core = MPClient(*attach_to, self._on_outputs, self._on_exit)
+        else:
+            self.engine_mode = engine_mode
+            self.engine_core = make_client(engine_mode, config, self._on_outputs, self._on_exit)
         info = self.engine_core.info
         self.tokenizer = info.tokenizer
         self.max_model_len = info.max_model_len

@@ -45,6 +45,15 @@ def add_subcommands(subparsers) -> None:
         f"(default: {defaults.engine_mode})",
     )
     p.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=defaults.api_server_count,
+        help="API-server processes sharing the port and one engine core: HTTP, tokenization and "
+        "streaming then run on that many CPU cores; each serves its own request metrics "
+        f"(default: {defaults.api_server_count})",
+    )
+    p.add_argument(
         "--max-waiting-requests",
         type=int,
         default=defaults.max_waiting_requests,
@@ -78,13 +87,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem.config import EngineConfig
     from tandem.serve.app import build_app
     from tandem.serve.async_engine import AsyncLLM
-    from tandem.serve.server import bind_socket, serve
+    from tandem.serve.server import bind_socket, print_listening, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"model given twice: {args.model_arg!r} and --model {args.model!r}")
     serve_config = ServeConfig(
         engine_mode=args.engine_mode,
+        api_server_count=args.api_server_count,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
     )
@@ -97,6 +107,11 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = _read_template(args.chat_template)
     if args.enable_admin_api and not args.api_key:
         raise ValueError("--enable-admin-api needs --api-key (or $TANDEM_API_KEY)")
+    if args.enable_admin_api and serve_config.api_server_count > 1:  # a trainer's calls must
+        raise ValueError(  # reach one process: the weight receiver's group lives there
+            "--enable-admin-api needs --api-server-count 1 (the admin routes and the weight "
+            f"receiver live in one API server), got {serve_config.api_server_count}"
+        )
     if args.host not in _LOOPBACK and not args.api_key:
         print(
             f"warning: listening on {args.host} without --api-key: anyone who can reach this "
@@ -107,6 +122,23 @@ def run_serve(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    served_model_name = args.served_model_name or model or DEFAULT_MODEL_NAME
+    if serve_config.api_server_count > 1:
+        from tandem.serve.api_servers import APIServerArgs, run_api_servers
+
+        server_args = APIServerArgs(
+            served_model_name=served_model_name,
+            api_key=args.api_key,
+            chat_template=chat_template,
+            model_root=model,
+            max_waiting_requests=serve_config.max_waiting_requests,
+            shutdown_timeout=serve_config.shutdown_timeout,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
+        code = run_api_servers(config, sock, serve_config.api_server_count, server_args)
+        print("tandem serve: stopped", flush=True)
+        return code
     llm = AsyncLLM.from_config(
         config,
         max_waiting_requests=serve_config.max_waiting_requests,
@@ -115,15 +147,13 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         app = build_app(
             llm,
-            args.served_model_name or model or DEFAULT_MODEL_NAME,
+            served_model_name,
             api_key=args.api_key,
             enable_admin_api=args.enable_admin_api,
             chat_template=chat_template,
             model_root=model,
         )
-        host, port = sock.getsockname()[:2]
-        url_host = f"[{host}]" if ":" in host else host
-        print(f"tandem serve: listening on http://{url_host}:{port}", flush=True)
+        print_listening(sock)
         with frozen_heap():  # no full GC pass walks the start-up heap while serving
             serve(
                 app,

@@ -14,6 +14,10 @@ class ServeConfig:
     # its Python work never competes with the HTTP event loop for the GIL. "thread": in a thread
     # of the server's process (one process, slower at saturation).
     engine_mode: str = "process"
+    # API-server processes sharing the listening socket and one engine core (vLLM's
+    # --api-server-count): HTTP, validation, tokenization and streaming are Python work per
+    # request, and at hundreds of requests per second one process is the bottleneck.
+    api_server_count: int = 1
     max_waiting_requests: int = 4096  # beyond this many waiting requests answer 503
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
 
@@ -21,6 +25,13 @@ class ServeConfig:
         if self.engine_mode not in ENGINE_MODES:
             raise ValueError(
                 f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}"
+            )
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_mode != "process":
+            raise ValueError(
+                f"api_server_count {self.api_server_count} needs engine_mode 'process' (the API "
+                f"servers share an engine-core process), got {self.engine_mode!r}"
             )
         if self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")

@@ -14,6 +14,8 @@ import multiprocessing as mp
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
 from tandem.config import EngineConfig
@@ -25,8 +27,8 @@ from tandem.serve.engine_core import (
     EngineCoreOutputs,
     EngineInfo,
     EngineUnavailable,
-    run_engine_core,
 )
+from tandem.serve.engine_core_proc import run_engine_core
 
 logger = logging.getLogger("tandem.serve")
 
@@ -38,7 +40,8 @@ def make_client(
     mode: str, config: EngineConfig, on_outputs: OnOutputs, on_exit: OnExit
 ) -> InprocClient | MPClient:
     if mode == "process":
-        return MPClient(config, on_outputs, on_exit)
+        core = EngineCoreProc(config)
+        return MPClient(core.conns[0], core.info, on_outputs, on_exit, core=core)
     if mode == "thread":
         return InprocClient(config, on_outputs, on_exit)
     raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, got {mode!r}")
@@ -94,35 +97,89 @@ class InprocClient:
             self._on_exit(EngineUnavailable("the engine has stopped"))
 
 
-class MPClient:
-    """The core in a spawned process (CUDA cannot be forked), over two one-way pipes.
+@dataclass
+class EngineCoreConns:
+    """One API server's ends of its pipes to the engine core (they cross to a spawned child)."""
 
-    Commands are pickled by the caller (so an unpicklable one fails there) and written by a
-    sender thread (a full pipe never blocks the event loop); a receiver thread reads one message
-    per engine step. A core that dies is noticed at once: its pipe reaches end-of-file.
-    """
+    commands: Connection  # write end
+    outputs: Connection  # read end
+
+
+class EngineCoreProc:
+    """The engine core in a spawned process (CUDA cannot be forked), with one pair of one-way
+    pipes per API server; returns once the engine is built (or raises its start-up error)."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        on_outputs: OnOutputs,
-        on_exit: OnExit,
-        start_timeout_s: float | None = None,
+        self, config: EngineConfig, num_api_servers: int = 1, start_timeout_s: float | None = None
     ):
         ctx = mp.get_context("spawn")
-        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
-        self._out_recv, out_send = ctx.Pipe(duplex=False)
+        cmd_pipes = [ctx.Pipe(duplex=False) for _ in range(num_api_servers)]  # (recv, send)
+        out_pipes = [ctx.Pipe(duplex=False) for _ in range(num_api_servers)]
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         self.proc = ctx.Process(
             target=run_engine_core,
-            args=(config, cmd_recv, out_send, level),
+            args=(config, [r for r, _ in cmd_pipes], [s for _, s in out_pipes], level),
             name="tandem-engine-core",
             daemon=True,
         )
         self.proc.start()
-        cmd_recv.close()  # ours closed: the child's end alone keeps each pipe open
-        out_send.close()
+        for (cmd_recv, _), (_, out_send) in zip(cmd_pipes, out_pipes):
+            cmd_recv.close()  # ours closed: the child's end alone keeps each pipe open
+            out_send.close()
+        self.conns = [EngineCoreConns(s, r) for (_, s), (r, _) in zip(cmd_pipes, out_pipes)]
         self.info: EngineInfo = self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float | None) -> EngineInfo:
+        """The core's first message on every output pipe: ready (with its info), or failed."""
+        info = None
+        for conns in self.conns:
+            try:
+                if not conns.outputs.poll(timeout_s):
+                    self.proc.kill()
+                    raise RuntimeError(f"the engine process did not start in {timeout_s} s")
+                kind, payload = conns.outputs.recv()
+            except EOFError:
+                self.proc.join(5)
+                raise RuntimeError(
+                    f"the engine process died while starting (exit code {self.proc.exitcode})"
+                ) from None
+            if kind == "failed":
+                self.proc.join(5)
+                raise payload  # the engine's own error: a bad model path stays a ValueError
+            info = payload
+        return info
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Wait for the core to stop (it does once every API server has gone); kill it if not."""
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            logger.warning("the engine process did not stop in %s s; killing it", timeout)
+            self.proc.kill()
+            self.proc.join(5)
+
+
+class MPClient:
+    """An API server's client of an engine-core process, over its two one-way pipes.
+
+    Commands are pickled by the caller (so an unpicklable one fails there) and written by a
+    sender thread (a full pipe never blocks the event loop); a receiver thread reads one message
+    per engine step. A core that dies is noticed at once: its pipe reaches end-of-file.
+    `core` is the core's process when this client started it (it then stops it too); with
+    several API servers the parent process owns it.
+    """
+
+    def __init__(
+        self,
+        conns: EngineCoreConns,
+        info: EngineInfo,
+        on_outputs: OnOutputs,
+        on_exit: OnExit,
+        core: EngineCoreProc | None = None,
+    ):
+        self._cmd_send, self._out_recv = conns.commands, conns.outputs
+        self.info = info
+        self.core = core
+        self.proc = core.proc if core is not None else None
         self._on_outputs, self._on_exit = on_outputs, on_exit
         self._stopping = False
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -137,37 +194,19 @@ class MPClient:
 
     @property
     def is_alive(self) -> bool:
-        return self._receiver.is_alive() and self.proc.is_alive()
+        return self._receiver.is_alive() and (self.proc is None or self.proc.is_alive())
 
     def send(self, cmds: list[tuple]) -> None:
         self._outbox.put(ForkingPickler.dumps(cmds))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
-        """Tell the core to stop, wait for it, kill it if it does not."""
+        """Say STOP (the core aborts this server's requests, and stops if it was the last one);
+        wait for the core's own process if this client started it, kill it if it does not stop."""
         self._stopping = True
         self._outbox.put(None)
-        self.proc.join(timeout)
-        if self.proc.is_alive():
-            logger.warning("the engine process did not stop in %s s; killing it", timeout)
-            self.proc.kill()
-            self.proc.join(5)
-        self._receiver.join(5)
-
-    def _wait_ready(self, timeout_s: float | None) -> EngineInfo:
-        try:
-            if not self._out_recv.poll(timeout_s):
-                self.proc.kill()
-                raise RuntimeError(f"the engine process did not start in {timeout_s} s")
-            kind, payload = self._out_recv.recv()
-        except EOFError:
-            self.proc.join(5)
-            raise RuntimeError(
-                f"the engine process died while starting (exit code {self.proc.exitcode})"
-            ) from None
-        if kind == "failed":
-            self.proc.join(5)
-            raise payload  # the engine's own error: a bad model path stays a ValueError
-        return payload
+        if self.core is not None:
+            self.core.shutdown(timeout)
+        self._receiver.join(5 if self.core is not None else timeout)
 
     def _send_loop(self) -> None:
         conn = self._cmd_send
@@ -192,13 +231,15 @@ class MPClient:
             pass
         except BaseException:
             logger.exception("reading the engine process's outputs failed")
-        self.proc.join(5)
         if self._stopping:
             error = EngineUnavailable("the engine has stopped")
         else:
+            exit_code = ""
+            if self.proc is not None:
+                self.proc.join(5)
+                exit_code = f" (exit code {self.proc.exitcode})"
             error = EngineUnavailable(
-                f"the engine process died unexpectedly (exit code {self.proc.exitcode}); "
-                "restart the server"
+                f"the engine process died unexpectedly{exit_code}; restart the server"
             )
             logger.error("%s", error)
         self._outbox.put(None)  # the sender may stop too

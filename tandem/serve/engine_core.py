@@ -1,7 +1,7 @@
 """EngineCore: the LLMEngine and the loop that steps it, wherever the engine lives.
 
 The same core runs in a thread of the API process (`--engine-mode thread`) or in a process of its
-own (`--engine-mode process`, vLLM V1's EngineCoreProc; see `run_engine_core`). Commands come in
+own (`--engine-mode process`, vLLM V1's EngineCoreProc; see `engine_core_proc`). Commands come in
 as tuples; each iteration of the loop sends one EngineCoreOutputs carrying every output of the
 step, the replies to utility calls and a fresh stats snapshot, so the API side handles one
 message per step, not one per token.
@@ -12,17 +12,11 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import logging
-import os
-import pickle
-import queue
-import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.config import EngineConfig
-from tandem.engine.gc_pause import freeze_for_good
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
 from tandem.serve.metrics import EngineStats
@@ -245,119 +239,3 @@ class EngineCore:
 
     def close_communicator(self) -> bool:
         return self.weight_sync.close()
-
-
-# -- the engine-core process ---------------------------------------------------------------------
-def run_engine_core(config: EngineConfig, commands, outputs, log_level: str = "INFO") -> None:
-    """Entry point of the engine-core process: build the engine, say ready (or why not), then
-    run the loop until a STOP or until the API process goes away (its pipe closes).
-
-    SIGINT and SIGTERM are ignored here: a Ctrl-C in a terminal reaches the whole process group,
-    and the engine must keep stepping while the API process drains in-flight requests; it stops
-    when told to, or when the API process is gone.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
-    _leave_a_core_to_the_api_process()
-    try:
-        engine = LLMEngine(config)
-    except Exception as e:
-        logger.exception("building the engine failed")
-        outputs.send(("failed", portable(e)))
-        return
-    sender = PipeSender(outputs)
-    core = EngineCore(engine, sender.send)
-    outputs.send(("ready", core.info()))
-    sender.start()
-    freeze_for_good()  # this process lives for its engine: full GC passes skip the start-up heap
-
-    def get_commands(block: bool) -> list[tuple]:
-        cmds: list[tuple] = []
-        try:
-            if block:
-                cmds += commands.recv()
-            while commands.poll():
-                cmds += commands.recv()
-        except (EOFError, OSError):  # the API process is gone: nobody to serve
-            cmds.append((STOP,))
-        return cmds
-
-    try:
-        core.run_busy_loop(get_commands)
-    finally:
-        sender.close()  # what the last iterations sent (aborted requests' failures) goes out first
-        core.weight_sync.close()
-
-
-class PipeSender:
-    """Pickles and writes the core's messages from a thread of its own, first in first out.
-
-    A pipe holds 64 KiB; a step's outputs for a few hundred streams are more. Written from the
-    loop, a message waited there until the API process had read the previous one, so the engine
-    stepped at the API process's pace. From this thread only the writer waits.
-    """
-
-    def __init__(self, conn):
-        self.conn = conn
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="tandem-core-out", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def send(self, msg: EngineCoreOutputs) -> None:
-        self.queue.put(portable_outputs(msg))
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        self.queue.put(None)
-        if self.thread.is_alive():
-            self.thread.join(timeout_s)
-
-    def _run(self) -> None:
-        try:
-            while (msg := self.queue.get()) is not None:
-                self.conn.send(msg)
-        except OSError:  # BrokenPipe, ConnectionReset: the API process is gone, and the loop
-            pass  # learns it from its command pipe
-
-
-def _leave_a_core_to_the_api_process() -> None:
-    """Intra-op threads: all cores but one, unless OMP_NUM_THREADS says otherwise (vLLM's
-    workers do the like). With every core, the pool's spinning threads starve the API process
-    and, waiting at their barriers for a descheduled peer, the engine itself: measured on a
-    2-core CPU box, a step took 10-40x longer."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) - 1))
-
-
-def portable(e: BaseException) -> BaseException:
-    """`e` if it survives pickling (most do), else the nearest builtin exception with its text:
-    an error must reach the API process even when its class cannot."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001
-        base = next(t for t in (ValueError, OSError, RuntimeError, Exception) if isinstance(e, t))
-        return base(f"{type(e).__name__}: {e}")
-
-
-def portable_outputs(msg: EngineCoreOutputs) -> EngineCoreOutputs:
-    """`msg` with every error and reply made picklable (a reply that is not becomes an error)."""
-    if msg.failed or msg.replies:
-        msg.failed = [(rid, portable(e)) for rid, e in msg.failed]
-        msg.replies = [_portable_reply(*reply) for reply in msg.replies]
-    return msg
-
-
-def _portable_reply(call_id: int, result: Any, error: BaseException | None) -> tuple:
-    if error is not None:
-        return call_id, None, portable(error)
-    try:
-        pickle.dumps(result)
-    except Exception as e:  # noqa: BLE001
-        return call_id, None, TypeError(f"the result cannot leave the engine process: {e}")
-    return call_id, result, None

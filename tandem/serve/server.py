@@ -41,6 +41,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def print_listening(sock: socket.socket) -> None:
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"tandem serve: listening on http://{url_host}:{port}", flush=True)
+
+
 def make_server(
     app, shutdown_timeout_s: float = 30.0, log_level: str = "info", access_log: bool = False
 ) -> uvicorn.Server:

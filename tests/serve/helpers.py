@@ -6,19 +6,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import tandem
 from tandem.config import EngineConfig
 from tandem.serve.app import build_app
 from tandem.serve.async_engine import AsyncLLM
 from tandem.serve.config import ServeConfig
 from tandem.serve.server import bind_socket, make_server
 
+ROOT = Path(tandem.__file__).resolve().parent.parent
 MODEL_NAME = "tiny-llama"
 ADMIN_KEY = "sk-admin-key"
 
@@ -128,3 +135,30 @@ def run_server(
         server.should_exit = True
         thread.join(15)
         llm.shutdown()
+
+
+class ServeProcess:
+    """A `tandem serve` subprocess whose output is drained by a thread (so it never blocks)."""
+
+    def __init__(self, argv: list[str]):
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "tandem.cli", "serve", *argv],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.lines: list[str] = []
+        threading.Thread(target=lambda: self.lines.extend(self.p.stdout), daemon=True).start()
+
+    def url(self, timeout: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(r"listening on (http://\S+)", line):
+                    return m.group(1)
+            assert self.p.poll() is None, "".join(self.lines)
+            time.sleep(0.05)
+        raise AssertionError("no 'listening on' line:\n" + "".join(self.lines))

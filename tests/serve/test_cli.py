@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import aiohttp
 
-import tandem
 from tandem.cli import build_parser
 from tandem.config import EngineConfig
 
-ROOT = Path(tandem.__file__).resolve().parent.parent
+from .helpers import ServeProcess
+
 KEY = "sk-cli"
 
 
@@ -37,33 +31,6 @@ def test_serve_flags_take_engine_defaults():
     assert args.func.__module__ == "tandem.serve.cli"
 
 
-class _Proc:
-    """A `tandem serve` subprocess whose output is drained by a thread (so it never blocks)."""
-
-    def __init__(self, argv: list[str]):
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-        self.p = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", *argv],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.p.stdout), daemon=True).start()
-
-    def url(self, timeout: float = 90.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.lines):
-                if m := re.search(r"listening on (http://\S+)", line):
-                    return m.group(1)
-            assert self.p.poll() is None, "".join(self.lines)
-            time.sleep(0.05)
-        raise AssertionError("no 'listening on' line:\n" + "".join(self.lines))
-
-
 async def _read(session: aiohttp.ClientSession, url: str, body: dict, first: asyncio.Event) -> str:
     text = ""
     try:
@@ -79,7 +46,7 @@ async def _read(session: aiohttp.ClientSession, url: str, body: dict, first: asy
 
 
 def test_sigterm_finishes_in_flight_aborts_the_rest_and_exits_0(tiny_llama_dir):
-    proc = _Proc(
+    proc = ServeProcess(
         [
             tiny_llama_dir,
             "--port",

@@ -1,0 +1,200 @@
+"""Several API servers over one engine core (`tandem serve --api-server-count N`).
+
+The core's routing, through real pipes to a real engine-core process: each API server gets its
+own outputs and replies, cannot abort another's request, and its hang-up frees only its own
+requests. Then the command as users run it: requests served, SIGTERM drains and exits 0, and a
+dead API server takes the whole server down (exit 1) rather than leaving a port that half works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from tandem import SamplingParams
+from tandem.config import EngineConfig
+from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
+from tandem.serve.config import ServeConfig
+from tandem.serve.core_client import EngineCoreProc
+from tandem.serve.core_clients import CoreClients
+from tandem.serve.engine_core import ADD, STOP, UTILITY, EngineCoreOutputs
+
+from .helpers import ServeProcess, held_by_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+LONGER = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # outlives LONG
+
+
+async def _tokens(llm: AsyncLLM, rid: str, params: SamplingParams = GREEDY) -> list[int]:
+    ids: list[int] = []
+    async for out in llm.generate(rid, [5, 6, 7, 8], params):
+        ids += out.outputs[0].token_ids
+    return ids
+
+
+def _echo(engine, value):  # runs in the engine core
+    return value
+
+
+async def _until(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_two_api_servers_get_only_their_own_outputs_and_a_hang_up_frees_only_its_requests(
+    tiny_llama_dir,
+):
+    core = EngineCoreProc(
+        EngineConfig(model=tiny_llama_dir, device="cpu", max_num_seqs=8), num_api_servers=2
+    )
+    a = AsyncLLM(attach_to=(core.conns[0], core.info))
+    b = AsyncLLM(attach_to=(core.conns[1], core.info))
+
+    async def main() -> None:
+        # the same request through both: each stream gets its own tokens, and the same ones
+        ta, tb = await asyncio.gather(_tokens(a, "x"), _tokens(b, "y"))
+        assert ta == tb and len(ta) == GREEDY.max_tokens
+        # both count their utility calls from 0: each reply reaches its own caller
+        assert await asyncio.gather(a.call(_echo, "a"), b.call(_echo, "b")) == ["a", "b"]
+
+        # b can neither reuse a's request id while it runs, nor abort a's request
+        long_a = asyncio.ensure_future(_tokens(a, "shared-id", LONG))
+        await _until(lambda: a.stats.num_unfinished == 1)
+        with pytest.raises(EngineUnavailable, match="already in flight"):
+            await _tokens(b, "shared-id")
+        b.abort("shared-id")
+        assert len(await long_a) == LONG.max_tokens
+        # admission control counts each server's own adds (a: x, shared-id; b: y)
+        await _until(lambda: a.stats.num_added == 2 and b.stats.num_added == 1)
+
+        # a hangs up with a request in flight: it fails there, b's request runs on
+        cut = asyncio.ensure_future(_tokens(a, "cut", LONGER))
+        runs_on = asyncio.ensure_future(_tokens(b, "runs-on", LONG))
+        await _until(lambda: b.stats.num_running == 2)
+        await asyncio.to_thread(a.shutdown)
+        with pytest.raises(EngineUnavailable, match="stopped"):
+            await cut
+        assert len(await runs_on) == LONG.max_tokens
+        assert await b.call(held_by_engine) == (0, 0)  # a's request aborted, its blocks freed
+        assert b.is_alive
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))  # a request lost by the routing hangs: fail
+        b.shutdown()  # the last API server gone: the core stops by itself
+        core.proc.join(30)
+        assert core.proc.exitcode == 0
+    finally:
+        a.shutdown(5)
+        b.shutdown(5)
+        core.shutdown(5)
+
+
+def test_core_clients_give_each_call_its_own_id_and_answer_a_refusal_at_once():
+    """Two servers' utility calls with the same id, pending in the same iteration, each get
+    their own reply; an add refused by the router is answered without waiting for a step."""
+    pipes = [(mp.Pipe(duplex=False), mp.Pipe(duplex=False)) for _ in range(2)]
+    clients = CoreClients([cmd_r for (cmd_r, _), _ in pipes], [out_s for _, (_, out_s) in pipes])
+    clients.start()
+    to_core = [cmd_s for (_, cmd_s), _ in pipes]
+    from_core = [out_r for _, (out_r, _) in pipes]
+    to_core[0].send([(UTILITY, 0, "call", ()), (ADD, "r", [1], GREEDY, "delta")])
+    to_core[1].send([(UTILITY, 0, "call", ()), (ADD, "r", [1], GREEDY, "delta")])
+    time.sleep(0.2)
+    cmds = clients.get_commands(block=False)
+    core_ids = [cmd[1] for cmd in cmds if cmd[0] == UTILITY]
+    assert len(core_ids) == 2 and core_ids[0] != core_ids[1]
+    assert [cmd[1] for cmd in cmds if cmd[0] == ADD] == ["r"]  # the second "r" refused
+    assert from_core[1].poll(5), "the refusal waits for a step"
+    refused = from_core[1].recv()  # sent by get_commands itself: no step was needed
+    assert [rid for rid, _ in refused.failed] == ["r"]
+    assert "already in flight" in str(refused.failed[0][1])
+
+    replies = [(core_ids[1], "for 1", None), (core_ids[0], "for 0", None)]
+    clients.send(EngineCoreOutputs(replies=replies))
+    assert from_core[0].recv().replies == [(0, "for 0", None)]
+    assert from_core[1].recv().replies == [(0, "for 1", None)]
+    for conn in to_core:
+        conn.close()
+    assert clients.get_commands(block=True)[-1] == (STOP,)  # both hung up: the core stops
+    clients.close()
+    assert not clients.owner and not clients.calls
+
+
+def test_several_api_servers_need_the_engine_in_its_own_process():
+    with pytest.raises(ValueError, match="api_server_count 2 needs engine_mode 'process'"):
+        ServeConfig(api_server_count=2, engine_mode="thread")
+    with pytest.raises(ValueError, match="api_server_count must be >= 1"):
+        ServeConfig(api_server_count=0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _complete(url: str, prompt: str) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Connection": "close"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())["choices"][0]["token_ids"]
+
+
+def _serve(model_dir: str) -> tuple[ServeProcess, str, int, list[int]]:
+    """A served tiny model with two API servers: (process, url, core pid, API server pids)."""
+    proc = ServeProcess(
+        [model_dir, "--port", "0", "--device", "cpu", "--api-server-count", "2"]
+        + ["--shutdown-timeout", "2", "--log-level", "warning"]
+    )
+    url = proc.url()
+    m = re.search(r"engine core pid (\d+); API server pids (\d+), (\d+)", "".join(proc.lines))
+    assert m, "".join(proc.lines)
+    return proc, url, int(m[1]), [int(m[2]), int(m[3])]
+
+
+async def _complete_all(url: str, prompts: list[str]) -> list[list[int]]:
+    return await asyncio.gather(*(asyncio.to_thread(_complete, url, p) for p in prompts))
+
+
+def test_serve_with_two_api_servers_serves_and_stops_on_sigterm(tiny_llama_dir):
+    proc, url, core, api_servers = _serve(tiny_llama_dir)
+    try:
+        results = asyncio.run(_complete_all(url, ["Hello there"] * 12))
+        assert all(r == results[0] and len(r) == 5 for r in results)
+        proc.p.send_signal(signal.SIGTERM)
+        assert proc.p.wait(timeout=60) == 0, "".join(proc.lines)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+    assert "tandem serve: stopped" in "".join(proc.lines)
+    assert not any(map(_alive, [core, *api_servers])), "a child process outlived the server"
+
+
+def test_a_dead_api_server_stops_the_whole_server_with_exit_1(tiny_llama_dir):
+    proc, url, core, api_servers = _serve(tiny_llama_dir)
+    try:
+        assert len(_complete(url, "Hi")) == 5
+        os.kill(api_servers[1], signal.SIGKILL)
+        assert proc.p.wait(timeout=60) == 1, "".join(proc.lines)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+    assert "exited (exit code -9); stopping" in "".join(proc.lines)
+    assert not any(map(_alive, [core, *api_servers])), "a child process outlived the server"
