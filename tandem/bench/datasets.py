@@ -110,7 +110,14 @@ def _random_token_prompt(tokenizer, rng: np.random.Generator, n: int) -> tuple[s
         if len(ids) >= n:
             break
     text = tokenizer.decode(ids)
-    return text, len(tokenizer.encode(text, add_special_tokens=False))
+    n_real = len(tokenizer.encode(text, add_special_tokens=False))
+    if n_real == 0:
+        raise ValueError(
+            f"--tokenizer: random token ids do not decode to text that encodes again with "
+            f"{getattr(tokenizer, 'name_or_path', 'this tokenizer')!r}; use the served model's "
+            "tokenizer, or none (word prompts with approximate lengths)"
+        )
+    return text, n_real
 
 
 def _count(text: str, tokenizer) -> tuple[int, bool]:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tandem.bench.datasets import DatasetConfig, load_requests
+from tandem.bench.datasets import DatasetConfig, load_requests, random_requests
 
 
 def test_random_words_have_the_asked_lengths_marked_approximate():
@@ -35,6 +35,26 @@ def test_random_tokens_with_a_tokenizer_are_exact(tmp_path):
     assert [s.prompt_len for s in specs] == [40] * 5
     assert not any(s.approx_len for s in specs)
     assert "[UNK]" not in specs[0].prompt
+
+
+class _Lossy:
+    """A tokenizer whose decoded text encodes to nothing (as a vocabulary of made-up pieces)."""
+
+    all_special_ids: list[int] = []
+    vocab_size = 100
+    name_or_path = "lossy"
+
+    def decode(self, ids):
+        return "".join(f"<{i}>" for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return []
+
+
+def test_a_tokenizer_whose_decoded_ids_do_not_encode_again_is_refused():
+    config = DatasetConfig(num_prompts=2, input_len=10, output_len=4)
+    with pytest.raises(ValueError, match="--tokenizer: random token ids do not decode"):
+        random_requests(config, _Lossy())  # rather than empty prompts sent as 10-token ones
 
 
 def test_sharegpt_first_turns_and_vllm_filter(tmp_path):
