@@ -14,12 +14,15 @@ and `tandem serve` exits 1.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
@@ -27,6 +30,7 @@ from tandem.config import EngineConfig
 from tandem.engine.gc_pause import frozen_heap
 from tandem.serve.core_client import EngineCoreConns, EngineCoreProc
 from tandem.serve.engine_core import EngineInfo
+from tandem.serve.metrics_exchange import MetricsExchange
 from tandem.serve.server import print_listening
 
 logger = logging.getLogger("tandem.serve")
@@ -44,6 +48,7 @@ class APIServerArgs:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
+    metrics_dir: str | None = None  # where the servers publish their request metrics
 
 
 def run_api_servers(
@@ -52,6 +57,8 @@ def run_api_servers(
     """Serve on `sock` with `count` API servers over one engine core until SIGTERM/SIGINT (0) or
     until one of the processes dies (1)."""
     core = EngineCoreProc(config, num_api_servers=count)  # raises the engine's start-up error
+    metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
+    args = dataclasses.replace(args, metrics_dir=metrics_dir)
     ctx = mp.get_context("spawn")
     servers = [
         ctx.Process(
@@ -104,6 +111,7 @@ def run_api_servers(
                 server.kill()
                 server.join(5)
         core.shutdown()  # it stops once every API server has hung up
+        shutil.rmtree(metrics_dir, ignore_errors=True)
     return 1 if failure else 0
 
 
@@ -115,6 +123,7 @@ def run_api_server(
     from tandem.serve.async_engine import AsyncLLM
     from tandem.serve.server import serve
 
+    _stop_when_the_parent_dies()
     level = args.log_level.upper()
     fmt = f"%(levelname)s %(name)s (api server {index}): %(message)s"
     logging.basicConfig(level=level, format=fmt)
@@ -126,6 +135,7 @@ def run_api_server(
             api_key=args.api_key,
             chat_template=args.chat_template,
             model_root=args.model_root,
+            metrics_exchange=MetricsExchange(args.metrics_dir, index) if args.metrics_dir else None,
         )
         with frozen_heap():  # no full GC pass walks the start-up heap while serving
             serve(
@@ -137,3 +147,17 @@ def run_api_server(
             )
     finally:
         llm.shutdown()
+
+
+def _stop_when_the_parent_dies() -> None:
+    """SIGTERM this API server when `tandem serve`'s own process dies, however it dies (a
+    SIGKILL gives it no chance to stop its children): it drains, hangs up, and the engine core
+    stops after the last one, instead of orphans holding the port and the GPU. Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # it died before the call: nobody would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)

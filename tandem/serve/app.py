@@ -13,6 +13,7 @@ from tandem.serve.async_engine import AsyncLLM
 from tandem.serve.chat import OpenAIServingChat
 from tandem.serve.completions import OpenAIServingCompletion
 from tandem.serve.errors import APIError, install_error_handlers
+from tandem.serve.metrics_exchange import MetricsExchange
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 _OPEN_PATHS = {"/health", "/metrics", "/version"}  # answered without the API key
@@ -26,9 +27,11 @@ def build_app(
     chat_template: str | None = None,
     retry_after_s: int = 1,
     model_root: str | None = None,
+    metrics_exchange: MetricsExchange | None = None,
 ) -> FastAPI:
     """An app serving `llm` under `served_model_name`. With `api_key` every route but health,
-    metrics and version needs `Authorization: Bearer <key>`; the admin routes need a key."""
+    metrics and version needs `Authorization: Bearer <key>`; the admin routes need a key. With
+    `metrics_exchange` (one API server of several) `/metrics` sums the request metrics of all."""
     if enable_admin_api and not api_key:
         raise ValueError("enable_admin_api needs an api_key: admin routes change what is served")
     app = FastAPI(title="tandem", version=__version__, strict_content_type=False)
@@ -66,7 +69,10 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        text = llm.metrics.render(llm.stats, served_model_name)
+        metrics = llm.metrics
+        if metrics_exchange is not None:
+            metrics = metrics_exchange.collect(metrics)
+        text = metrics.render(llm.stats, served_model_name)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/version")
@@ -79,7 +85,23 @@ def build_app(
         app.include_router(admin_router(llm))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if metrics_exchange is not None:  # publishing needs the server's loop: its first request
+        app.add_middleware(OnFirstRequest, start=lambda: metrics_exchange.start(llm.metrics))
     return app
+
+
+class OnFirstRequest:
+    """Calls `start()` in the server's event loop when the first request comes in."""
+
+    def __init__(self, app, start):
+        self.app = app
+        self.start = start
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.start is not None:
+            start, self.start = self.start, None
+            start()
+        await self.app(scope, receive, send)
 
 
 class APIKeyMiddleware:

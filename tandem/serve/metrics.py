@@ -58,6 +58,11 @@ class Histogram:
         self.sum += value
         self.count += 1
 
+    def merge(self, other: Histogram) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.sum += other.sum
+        self.count += other.count
+
     def lines(self, name: str, labels: str) -> list[str]:
         out, cumulative = [], 0
         for le, n in zip(self.buckets, self.counts):
@@ -78,6 +83,39 @@ class ServerMetrics:
         self.prompt_tokens = 0
         self.finished: Counter[str] = Counter()  # finish reason -> requests
         self.rejected = 0  # 503s from admission control
+
+    def to_dict(self) -> dict:
+        hists = {name: (h.counts, h.sum, h.count) for name, h in self._histograms().items()}
+        return {
+            "histograms": hists,
+            "prompt_tokens": self.prompt_tokens,
+            "finished": dict(self.finished),
+            "rejected": self.rejected,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ServerMetrics:
+        m = cls()
+        for name, (counts, total, count) in d["histograms"].items():
+            h = m._histograms()[name]
+            h.counts, h.sum, h.count = list(counts), total, count
+        m.prompt_tokens, m.rejected = d["prompt_tokens"], d["rejected"]
+        m.finished = Counter(d["finished"])
+        return m
+
+    def merged(self, others: list[ServerMetrics]) -> ServerMetrics:
+        """A new ServerMetrics summing this one and `others` (API servers of one engine)."""
+        total = ServerMetrics.from_dict(self.to_dict())
+        for other in others:
+            for name, h in total._histograms().items():
+                h.merge(other._histograms()[name])
+            total.prompt_tokens += other.prompt_tokens
+            total.finished += other.finished
+            total.rejected += other.rejected
+        return total
+
+    def _histograms(self) -> dict[str, Histogram]:
+        return {"ttft": self.ttft, "itl": self.itl, "e2e": self.e2e}
 
     def observe_finished(self, out: RequestOutput, latency: float) -> None:
         self.e2e.observe(latency)

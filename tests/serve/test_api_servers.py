@@ -169,6 +169,13 @@ def _serve(model_dir: str) -> tuple[ServeProcess, str, int, list[int]]:
     return proc, url, int(m[1]), [int(m[2]), int(m[3])]
 
 
+def _scrape(url: str, pattern: re.Pattern) -> int:
+    req = urllib.request.Request(url + "/metrics", headers={"Connection": "close"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        m = pattern.search(resp.read().decode())
+    return int(m[1]) if m else 0
+
+
 async def _complete_all(url: str, prompts: list[str]) -> list[list[int]]:
     return await asyncio.gather(*(asyncio.to_thread(_complete, url, p) for p in prompts))
 
@@ -178,6 +185,11 @@ def test_serve_with_two_api_servers_serves_and_stops_on_sigterm(tiny_llama_dir):
     try:
         results = asyncio.run(_complete_all(url, ["Hello there"] * 12))
         assert all(r == results[0] and len(r) == 5 for r in results)
+        # whichever server answers the scrape, its request counters cover both: each publishes
+        # its own once a second, so after a few seconds every scrape sees all 12
+        finished = re.compile(r'request_success_total\{[^}]*finished_reason="length"\} (\d+)')
+        time.sleep(3)
+        assert [_scrape(url, finished) for _ in range(8)] == [12] * 8
         proc.p.send_signal(signal.SIGTERM)
         assert proc.p.wait(timeout=60) == 0, "".join(proc.lines)
     finally:
@@ -198,3 +210,19 @@ def test_a_dead_api_server_stops_the_whole_server_with_exit_1(tiny_llama_dir):
             proc.p.kill()
     assert "exited (exit code -9); stopping" in "".join(proc.lines)
     assert not any(map(_alive, [core, *api_servers])), "a child process outlived the server"
+
+
+def test_a_killed_parent_takes_its_api_servers_and_engine_core_along(tiny_llama_dir):
+    proc, url, core, api_servers = _serve(tiny_llama_dir)
+    try:
+        assert len(_complete(url, "Hi")) == 5
+        proc.p.kill()  # SIGKILL: no chance to stop its children itself
+        proc.p.wait(10)
+        deadline = time.monotonic() + 30
+        while any(map(_alive, [core, *api_servers])):
+            assert time.monotonic() < deadline, "orphans outlived a killed tandem serve"
+            time.sleep(0.1)
+    finally:
+        for pid in [core, *api_servers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
