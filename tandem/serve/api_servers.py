@@ -49,6 +49,7 @@ class APIServerArgs:
     log_level: str = "info"
     access_log: bool = False
     metrics_dir: str | None = None  # where the servers publish their request metrics
+    parent_pid: int | None = None  # `tandem serve`'s own process: the servers die with it
 
 
 def run_api_servers(
@@ -58,7 +59,7 @@ def run_api_servers(
     until one of the processes dies (1)."""
     core = EngineCoreProc(config, num_api_servers=count)  # raises the engine's start-up error
     metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
-    args = dataclasses.replace(args, metrics_dir=metrics_dir)
+    args = dataclasses.replace(args, metrics_dir=metrics_dir, parent_pid=os.getpid())
     ctx = mp.get_context("spawn")
     servers = [
         ctx.Process(
@@ -76,6 +77,7 @@ def run_api_servers(
     pids = ", ".join(str(s.pid) for s in servers)
     print(f"tandem serve: engine core pid {core.proc.pid}; API server pids {pids}", flush=True)
     print_listening(sock)  # connections made before a server accepts wait in the backlog
+    sock.close()  # theirs too: once they stop listening, a new connection is refused, not queued
 
     stopping = False
 
@@ -89,16 +91,26 @@ def run_api_servers(
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, stop_servers) for sig in handled}
     failure = None
+    # A process is gone once its sentinel is readable (its end of a pipe closed at exit). That,
+    # not a waitpid poll, is what the loop goes by: a poll can still say "running" just then.
+    running = {s.sentinel: s for s in servers}
+    core_running = True
     try:
-        while alive := [s for s in servers if s.is_alive()]:
-            core_alive = [core.proc.sentinel] if core.proc.is_alive() else []
-            wait([s.sentinel for s in alive] + core_alive)
+        while running:
+            watched = list(running) + ([core.proc.sentinel] if core_running else [])
+            ready = wait(watched)
+            exited = [running.pop(fd) for fd in ready if fd in running]
+            for server in exited:
+                server.join(5)
+            if core.proc.sentinel in ready:
+                core_running = False
+                core.proc.join(5)
             if stopping:
                 continue  # until every API server has drained and exited
-            if not core.proc.is_alive():
+            if not core_running:
                 failure = f"the engine process died (exit code {core.proc.exitcode})"
-            elif dead := [s for s in servers if not s.is_alive()]:
-                failure = f"{dead[0].name} exited (exit code {dead[0].exitcode})"
+            elif exited:
+                failure = f"{exited[0].name} exited (exit code {exited[0].exitcode})"
             if failure:
                 print(f"tandem serve: {failure}; stopping", file=sys.stderr, flush=True)
                 stop_servers()
@@ -123,7 +135,7 @@ def run_api_server(
     from tandem.serve.async_engine import AsyncLLM
     from tandem.serve.server import serve
 
-    _stop_when_the_parent_dies()
+    _stop_when_the_parent_dies(args.parent_pid)
     level = args.log_level.upper()
     fmt = f"%(levelname)s %(name)s (api server {index}): %(message)s"
     logging.basicConfig(level=level, format=fmt)
@@ -149,7 +161,7 @@ def run_api_server(
         llm.shutdown()
 
 
-def _stop_when_the_parent_dies() -> None:
+def _stop_when_the_parent_dies(parent_pid: int | None) -> None:
     """SIGTERM this API server when `tandem serve`'s own process dies, however it dies (a
     SIGKILL gives it no chance to stop its children): it drains, hangs up, and the engine core
     stops after the last one, instead of orphans holding the port and the GPU. Linux only."""
@@ -159,5 +171,5 @@ def _stop_when_the_parent_dies() -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() == 1:  # it died before the call: nobody would send the signal
+    if parent_pid is not None and os.getppid() != parent_pid:  # it died before the call
         os.kill(os.getpid(), signal.SIGTERM)

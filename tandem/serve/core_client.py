@@ -127,7 +127,15 @@ class EngineCoreProc:
             cmd_recv.close()  # ours closed: the child's end alone keeps each pipe open
             out_send.close()
         self.conns = [EngineCoreConns(s, r) for (_, s), (r, _) in zip(cmd_pipes, out_pipes)]
-        self.info: EngineInfo = self._wait_ready(start_timeout_s)
+        try:
+            self.info: EngineInfo = self._wait_ready(start_timeout_s)
+        except BaseException:  # a failed start, or Ctrl-C while the model loads: the core
+            self.proc.kill()  # ignores SIGTERM, and exit would wait on it for good
+            self.proc.join(5)
+            for conns in self.conns:
+                conns.commands.close()
+                conns.outputs.close()
+            raise
 
     def _wait_ready(self, timeout_s: float | None) -> EngineInfo:
         """The core's first message on every output pipe: ready (with its info), or failed."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import pickle
 import queue
 import threading
@@ -29,6 +30,10 @@ from tandem.serve.engine_core import (
     EngineCoreOutputs,
     EngineUnavailable,
 )
+
+logger = logging.getLogger("tandem.serve")
+
+MAX_READS_PER_ITERATION = 64  # messages read from one API server's pipe per loop iteration
 
 
 class CoreClients:
@@ -69,8 +74,9 @@ class CoreClients:
         cmds: list[tuple] = []
         for conn in wait(list(self.live), timeout=None if block else 0):
             i = self.live[conn]
+            hung_up = False
             try:
-                while True:
+                for _ in range(MAX_READS_PER_ITERATION):  # a busy server does not starve the rest
                     batch = conn.recv()
                     with self._lock:
                         hung_up = self._accept(i, batch, cmds)
@@ -93,12 +99,12 @@ class CoreClients:
             kind = cmd[0]
             if kind == ADD:
                 rid = cmd[1]
+                self.num_added[i] += 1  # handled, refused or not: the server counts it as sent
                 if rid in self.owner:  # ids are random per server: a clash is a caller's bug
                     error = EngineUnavailable(f"request id {rid!r} is already in flight")
                     self._refused[i].append((rid, error))
                     continue
                 self.owner[rid] = i
-                self.num_added[i] += 1
                 cmds.append(cmd)
             elif kind == ABORT:  # only its own requests
                 mine = [rid for rid in cmd[1] if self.owner.get(rid) == i]
@@ -112,8 +118,8 @@ class CoreClients:
                 cmds.append((UTILITY, call_id, *cmd[2:]))
             elif kind == STOP:
                 return True
-            else:
-                cmds.append(cmd)  # the core refuses it with its own error
+            else:  # from an API server of another version, say: it must not stop the core
+                logger.error("API server %d sent an unknown command %r; dropped", i, kind)
         return False
 
     def _hang_up(self, conn: Connection, cmds: list[tuple]) -> None:

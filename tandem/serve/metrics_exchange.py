@@ -37,15 +37,16 @@ class MetricsExchange:
         os.replace(tmp, self._path(self.index))
 
     def collect(self, own: ServerMetrics) -> ServerMetrics:
-        """`own` plus every other API server's last published metrics."""
-        others = []
-        for path in self.dir.glob("api-server-*.json"):
-            if path != self._path(self.index):
-                try:
-                    others.append(ServerMetrics.from_dict(json.loads(path.read_text())))
-                except (OSError, ValueError, KeyError) as e:  # gone with its server, say
-                    logger.debug("skipping %s: %s", path, e)
-        return own.merged(others)
+        """Every API server's last published metrics, `own` published first: each file only
+        moves forward, so whichever server answers, no counter goes back between scrapes."""
+        self.publish(own)
+        every = []
+        for path in sorted(self.dir.glob("api-server-*.json")):
+            try:
+                every.append(ServerMetrics.from_dict(json.loads(path.read_text())))
+            except (OSError, ValueError, KeyError) as e:  # gone with its server, say
+                logger.debug("skipping %s: %s", path, e)
+        return ServerMetrics().merged(every)
 
     def start(self, metrics: ServerMetrics) -> None:
         """Publish `metrics` every interval from the running event loop (once started)."""

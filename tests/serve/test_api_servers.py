@@ -21,11 +21,12 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.config import EngineConfig
+from tandem.outputs import RequestOutput
 from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
 from tandem.serve.config import ServeConfig
 from tandem.serve.core_client import EngineCoreProc
 from tandem.serve.core_clients import CoreClients
-from tandem.serve.engine_core import ADD, STOP, UTILITY, EngineCoreOutputs
+from tandem.serve.engine_core import ABORT, ADD, STOP, UTILITY, EngineCoreOutputs
 
 from .helpers import ServeProcess, held_by_engine
 
@@ -75,8 +76,9 @@ def test_two_api_servers_get_only_their_own_outputs_and_a_hang_up_frees_only_its
             await _tokens(b, "shared-id")
         b.abort("shared-id")
         assert len(await long_a) == LONG.max_tokens
-        # admission control counts each server's own adds (a: x, shared-id; b: y)
-        await _until(lambda: a.stats.num_added == 2 and b.stats.num_added == 1)
+        # admission control counts each server's own adds, its refused one too (a: x, shared-id;
+        # b: y, shared-id): else every refusal would stay a phantom waiting request
+        await _until(lambda: a.stats.num_added == 2 and b.stats.num_added == 2)
 
         # a hangs up with a request in flight: it fails there, b's request runs on
         cut = asyncio.ensure_future(_tokens(a, "cut", LONGER))
@@ -124,11 +126,20 @@ def test_core_clients_give_each_call_its_own_id_and_answer_a_refusal_at_once():
     clients.send(EngineCoreOutputs(replies=replies))
     assert from_core[0].recv().replies == [(0, "for 0", None)]
     assert from_core[1].recv().replies == [(0, "for 1", None)]
-    for conn in to_core:
-        conn.close()
-    assert clients.get_commands(block=True)[-1] == (STOP,)  # both hung up: the core stops
+
+    done = RequestOutput("r", None, [1], [], finished=True)
+    clients.send(EngineCoreOutputs(outputs=[done]))
+    assert from_core[0].recv().outputs[0].request_id == "r"
+    assert not clients.owner and not clients.calls  # finished and replied: nothing held
+
+    to_core[1].send([(ADD, "s", [1], GREEDY, "delta")])
+    to_core[0].send([(STOP,)])
+    to_core[1].close()
+    time.sleep(0.2)
+    cmds = clients.get_commands(block=True)  # both hung up: s is aborted, and the core stops
+    assert (ABORT, ["s"]) in cmds and cmds[-1] == (STOP,)
+    assert not clients.owner
     clients.close()
-    assert not clients.owner and not clients.calls
 
 
 def test_several_api_servers_need_the_engine_in_its_own_process():
@@ -186,10 +197,13 @@ def test_serve_with_two_api_servers_serves_and_stops_on_sigterm(tiny_llama_dir):
         results = asyncio.run(_complete_all(url, ["Hello there"] * 12))
         assert all(r == results[0] and len(r) == 5 for r in results)
         # whichever server answers the scrape, its request counters cover both: each publishes
-        # its own once a second, so after a few seconds every scrape sees all 12
+        # its own once a second, and when it answers; counters never go back between scrapes
         finished = re.compile(r'request_success_total\{[^}]*finished_reason="length"\} (\d+)')
-        time.sleep(3)
-        assert [_scrape(url, finished) for _ in range(8)] == [12] * 8
+        seen, deadline = [_scrape(url, finished)], time.monotonic() + 30
+        while seen[-8:] != [12] * 8:
+            assert time.monotonic() < deadline, f"finished requests per scrape: {seen}"
+            seen.append(_scrape(url, finished))
+        assert seen == sorted(seen), f"a counter went back: {seen}"
         proc.p.send_signal(signal.SIGTERM)
         assert proc.p.wait(timeout=60) == 0, "".join(proc.lines)
     finally:

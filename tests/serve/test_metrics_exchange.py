@@ -31,10 +31,20 @@ def test_each_server_answers_for_all_of_them(tmp_path):
     assert total.finished == {"stop": 1, "length": 2}
     assert a.ttft.count == 2 and a.finished == {"stop": 1, "length": 1}  # a itself untouched
 
-    ex_a.publish(a)  # and b, asked, sees the same totals
     assert ex_b.collect(b).render(EngineStats(), "m") == total.render(EngineStats(), "m")
     (tmp_path / "api-server-2.json").write_text("{half a fi")  # torn or foreign: skipped
     assert ex_b.collect(b).ttft.count == 5
+
+
+def test_counters_never_go_back_whichever_server_answers(tmp_path):
+    a, b = ServerMetrics(), ServerMetrics()
+    ex_a, ex_b = MetricsExchange(str(tmp_path), 0), MetricsExchange(str(tmp_path), 1)
+    seen = []
+    for step in range(6):
+        (a if step % 2 else b).e2e.observe(1.0)  # each server finishes requests in turn
+        seen.append(ex_a.collect(a).e2e.count)  # scrapes alternate between the servers
+        seen.append(ex_b.collect(b).e2e.count)
+    assert seen == sorted(seen) and seen[-1] == 6, seen
 
 
 def test_publishing_runs_in_the_loop_and_follows_the_live_metrics(tmp_path):
