@@ -91,18 +91,19 @@ def run_api_servers(
     handled = (signal.SIGINT, signal.SIGTERM)
     previous = {sig: signal.signal(sig, stop_servers) for sig in handled}
     failure = None
-    # A process is gone once its sentinel is readable (its end of a pipe closed at exit). That,
-    # not a waitpid poll, is what the loop goes by: a poll can still say "running" just then.
+    # A process is gone once its sentinel is readable (its end of a pipe closed at exit) or a
+    # waitpid poll says so; either is enough, and the loop looks at both at least once a second.
     running = {s.sentinel: s for s in servers}
     core_running = True
     try:
         while running:
             watched = list(running) + ([core.proc.sentinel] if core_running else [])
-            ready = wait(watched)
-            exited = [running.pop(fd) for fd in ready if fd in running]
+            ready = set(wait(watched, timeout=1.0))
+            exited = [s for fd, s in running.items() if fd in ready or not s.is_alive()]
             for server in exited:
+                del running[server.sentinel]
                 server.join(5)
-            if core.proc.sentinel in ready:
+            if core_running and (core.proc.sentinel in ready or not core.proc.is_alive()):
                 core_running = False
                 core.proc.join(5)
             if stopping:
