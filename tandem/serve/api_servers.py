@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from tandem.config import EngineConfig
-from tandem.engine.gc_pause import frozen_heap
 from tandem.serve.core_client import EngineCoreConns, EngineCoreProc
 from tandem.serve.engine_core import EngineInfo
 from tandem.serve.metrics_exchange import MetricsExchange
@@ -150,14 +149,13 @@ def run_api_server(
             model_root=args.model_root,
             metrics_exchange=MetricsExchange(args.metrics_dir, index) if args.metrics_dir else None,
         )
-        with frozen_heap():  # no full GC pass walks the start-up heap while serving
-            serve(
-                app,
-                sock,
-                shutdown_timeout_s=args.shutdown_timeout,
-                log_level=args.log_level,
-                access_log=args.access_log,
-            )
+        serve(
+            app,
+            sock,
+            shutdown_timeout_s=args.shutdown_timeout,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
     finally:
         llm.shutdown()
 

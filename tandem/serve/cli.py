@@ -8,7 +8,6 @@ import os
 import sys
 
 from tandem.engine.arg_utils import add_engine_args, engine_kwargs
-from tandem.engine.gc_pause import frozen_heap
 from tandem.serve.config import ENGINE_MODES, ServeConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -154,14 +153,13 @@ def run_serve(args: argparse.Namespace) -> int:
             model_root=model,
         )
         print_listening(sock)
-        with frozen_heap():  # no full GC pass walks the start-up heap while serving
-            serve(
-                app,
-                sock,
-                shutdown_timeout_s=serve_config.shutdown_timeout,
-                log_level=args.log_level,
-                access_log=args.access_log,
-            )
+        serve(
+            app,
+            sock,
+            shutdown_timeout_s=serve_config.shutdown_timeout,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
     finally:
         llm.shutdown()
     print("tandem serve: stopped", flush=True)

@@ -13,6 +13,8 @@ import threading
 
 import uvicorn
 
+from tandem.engine.gc_pause import frozen_heap
+
 
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
@@ -62,5 +64,7 @@ def make_server(
 
 
 def serve(app, sock: socket.socket, **kwargs) -> None:
-    """Serve `app` on `sock` until SIGTERM/SIGINT (in the main thread) and a graceful shutdown."""
-    make_server(app, **kwargs).run(sockets=[sock])
+    """Serve `app` on `sock` until SIGTERM/SIGINT (in the main thread) and a graceful shutdown.
+    No full GC pass walks the heap that exists before serving starts (`frozen_heap`)."""
+    with frozen_heap():
+        make_server(app, **kwargs).run(sockets=[sock])

@@ -9,6 +9,7 @@ dead API server takes the whole server down (exit 1) rather than leaving a port 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -16,6 +17,8 @@ import re
 import signal
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
@@ -168,16 +171,39 @@ def _complete(url: str, prompt: str) -> list[int]:
         return json.loads(resp.read())["choices"][0]["token_ids"]
 
 
-def _serve(model_dir: str) -> tuple[ServeProcess, str, int, list[int]]:
-    """A served tiny model with two API servers: (process, url, core pid, API server pids)."""
+@dataclass
+class _Served:
+    proc: ServeProcess
+    url: str
+    core: int  # the engine core's pid
+    api_servers: list[int]  # the API servers' pids
+
+    def children_alive(self) -> bool:
+        return any(map(_alive, [self.core, *self.api_servers]))
+
+
+@contextlib.contextmanager
+def _serve(model_dir: str) -> Iterator[_Served]:
+    """A served tiny model with two API servers. The parent is killed if still running at the
+    end; its children too, but only when the block failed (else the test checks them)."""
     proc = ServeProcess(
         [model_dir, "--port", "0", "--device", "cpu", "--api-server-count", "2"]
         + ["--shutdown-timeout", "2", "--log-level", "warning"]
     )
-    url = proc.url()
-    m = re.search(r"engine core pid (\d+); API server pids (\d+), (\d+)", "".join(proc.lines))
-    assert m, "".join(proc.lines)
-    return proc, url, int(m[1]), [int(m[2]), int(m[3])]
+    pids = []
+    try:
+        url = proc.url()
+        m = re.search(r"engine core pid (\d+); API server pids (\d+), (\d+)", "".join(proc.lines))
+        assert m, "".join(proc.lines)
+        pids = [int(m[1]), int(m[2]), int(m[3])]
+        yield _Served(proc, url, pids[0], pids[1:])
+    except BaseException:
+        for pid in filter(_alive, pids):
+            os.kill(pid, signal.SIGKILL)
+        raise
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
 
 
 def _scrape(url: str, pattern: re.Pattern) -> int:
@@ -192,51 +218,38 @@ async def _complete_all(url: str, prompts: list[str]) -> list[list[int]]:
 
 
 def test_serve_with_two_api_servers_serves_and_stops_on_sigterm(tiny_llama_dir):
-    proc, url, core, api_servers = _serve(tiny_llama_dir)
-    try:
-        results = asyncio.run(_complete_all(url, ["Hello there"] * 12))
+    with _serve(tiny_llama_dir) as s:
+        results = asyncio.run(_complete_all(s.url, ["Hello there"] * 12))
         assert all(r == results[0] and len(r) == 5 for r in results)
         # whichever server answers the scrape, its request counters cover both: each publishes
         # its own once a second, and when it answers; counters never go back between scrapes
         finished = re.compile(r'request_success_total\{[^}]*finished_reason="length"\} (\d+)')
-        seen, deadline = [_scrape(url, finished)], time.monotonic() + 30
+        seen, deadline = [_scrape(s.url, finished)], time.monotonic() + 30
         while seen[-8:] != [12] * 8:
             assert time.monotonic() < deadline, f"finished requests per scrape: {seen}"
-            seen.append(_scrape(url, finished))
+            seen.append(_scrape(s.url, finished))
         assert seen == sorted(seen), f"a counter went back: {seen}"
-        proc.p.send_signal(signal.SIGTERM)
-        assert proc.p.wait(timeout=60) == 0, "".join(proc.lines)
-    finally:
-        if proc.p.poll() is None:
-            proc.p.kill()
-    assert "tandem serve: stopped" in "".join(proc.lines)
-    assert not any(map(_alive, [core, *api_servers])), "a child process outlived the server"
+        s.proc.p.send_signal(signal.SIGTERM)
+        assert s.proc.p.wait(timeout=60) == 0, "".join(s.proc.lines)
+    assert "tandem serve: stopped" in "".join(s.proc.lines)
+    assert not s.children_alive(), "a child process outlived the server"
 
 
 def test_a_dead_api_server_stops_the_whole_server_with_exit_1(tiny_llama_dir):
-    proc, url, core, api_servers = _serve(tiny_llama_dir)
-    try:
-        assert len(_complete(url, "Hi")) == 5
-        os.kill(api_servers[1], signal.SIGKILL)
-        assert proc.p.wait(timeout=60) == 1, "".join(proc.lines)
-    finally:
-        if proc.p.poll() is None:
-            proc.p.kill()
-    assert "exited (exit code -9); stopping" in "".join(proc.lines)
-    assert not any(map(_alive, [core, *api_servers])), "a child process outlived the server"
+    with _serve(tiny_llama_dir) as s:
+        assert len(_complete(s.url, "Hi")) == 5
+        os.kill(s.api_servers[1], signal.SIGKILL)
+        assert s.proc.p.wait(timeout=60) == 1, "".join(s.proc.lines)
+    assert "exited (exit code -9); stopping" in "".join(s.proc.lines)
+    assert not s.children_alive(), "a child process outlived the server"
 
 
 def test_a_killed_parent_takes_its_api_servers_and_engine_core_along(tiny_llama_dir):
-    proc, url, core, api_servers = _serve(tiny_llama_dir)
-    try:
-        assert len(_complete(url, "Hi")) == 5
-        proc.p.kill()  # SIGKILL: no chance to stop its children itself
-        proc.p.wait(10)
+    with _serve(tiny_llama_dir) as s:
+        assert len(_complete(s.url, "Hi")) == 5
+        s.proc.p.kill()  # SIGKILL: no chance to stop its children itself
+        s.proc.p.wait(10)
         deadline = time.monotonic() + 30
-        while any(map(_alive, [core, *api_servers])):
+        while s.children_alive():
             assert time.monotonic() < deadline, "orphans outlived a killed tandem serve"
             time.sleep(0.1)
-    finally:
-        for pid in [core, *api_servers]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
