@@ -16,11 +16,40 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there
+
+
+def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in fp32: one GEMM in the inputs' dtype whose fp32 accumulator is returned
+    unrounded (bf16 products are exact in fp32). The lm_head of the engine and the trainer's
+    log-prob head both use it, so the two score tokens from the same numbers; rounding logits
+    to bf16 alone moves a token's logprob by ~0.03 nats."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return x @ weight.t()
+    dev = x.device.type
+    if _MM_OUT_DTYPE.get(dev, True):
+        try:
+            return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(
+                *x.shape[:-1], weight.shape[0])
+        except (RuntimeError, NotImplementedError, TypeError):
+            _MM_OUT_DTYPE[dev] = False  # e.g. the CPU backend: upcast instead (same products)
+    return x.float() @ weight.float().t()
+
+
 class Linear(nn.Linear):
     """A plain linear layer (no sharding)."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
+
+
+class LMHead(Linear):
+    """The vocabulary projection; returns fp32 logits (`linear_fp32_out`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None:
+            return linear_fp32_out(x, self.weight) + self.bias.float()
+        return linear_fp32_out(x, self.weight)
 
 
 class MergedLinear(nn.Linear):

@@ -12,7 +12,7 @@ from torch import nn
 
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention import Attention
-from tandem.layers.linear import Linear, MergedLinear, QKVLinear
+from tandem.layers.linear import Linear, LMHead, MergedLinear, QKVLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.model_cls(cfg, max_position)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.linear import MergedLinear, QKVLinear, default_weight_loader
+from tandem.layers.linear import MergedLinear, QKVLinear, default_weight_loader, linear_fp32_out
 from tandem.parallel.groups import TPGroup
 
 
@@ -182,7 +182,7 @@ class ParallelLMHead(_VocabRows):
 
     def forward(self, x_BD: torch.Tensor) -> torch.Tensor:
         B = x_BD.shape[0]
-        logits_BVr = F.linear(x_BD, self.weight)
+        logits_BVr = linear_fp32_out(x_BD, self.weight)  # fp32, as the single-device LMHead
         gathered = self.tp.all_gather(logits_BVr)  # [tp * B, Vr], rank-major
         logits_BV = gathered.view(self.tp.size, B, -1).transpose(0, 1).reshape(B, -1)
         return logits_BV[:, : self.num_embeddings]

@@ -64,6 +64,8 @@ class GRPOConfig:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
+    # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
+    max_consecutive_nonfinite_steps: int = 3
     gradient_checkpointing: bool = True
     bf16: bool | None = None  # None: bf16 where the device supports it, else fp32
 
@@ -255,6 +257,7 @@ class GRPOConfig:
             )
 
     def _check_optimiser(self) -> None:
+        _at_least("max_consecutive_nonfinite_steps", self.max_consecutive_nonfinite_steps, 1)
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
         if self.lr_scheduler_type not in LR_SCHEDULERS:

@@ -1,7 +1,8 @@
 """GRPO-family losses as small functions, with TRL's GRPOTrainer semantics.
 
 Shape suffix legend: N = completions in the batch (prompts x num_generations), G = num_generations,
-T = completion tokens (right-padded), V = vocabulary, S = 1 for sequence-level ratios else T.
+T = completion tokens (right-padded), S = 1 for sequence-level ratios else T. The per-token
+log-probabilities the loss takes come from `tandem.rl.logprobs`.
 """
 
 from __future__ import annotations
@@ -70,98 +71,6 @@ def reward_metrics(rewards: torch.Tensor, num_generations: int) -> dict[str, flo
         "reward_std": _nanstd(rewards.float()).item(),
         "frac_reward_zero_std": zero_std.float().mean().item(),
     }
-
-
-# ---- log-probabilities ------------------------------------------------------------------------
-
-
-class _SelectiveLogSoftmax(torch.autograd.Function):
-    """log_softmax(logits / T) gathered at index, in fp32 chunks; saves no [N, V] fp32 copy.
-
-    The backward pass recomputes softmax chunk by chunk: d logp_i / d logits_j = (1[j=i] - p_j) / T.
-    """
-
-    @staticmethod
-    def forward(ctx, logits_NV, index_N, temperature, chunk_size):  # type: ignore[override]
-        dtype = torch.promote_types(logits_NV.dtype, torch.float32)  # fp32, or fp64 if given
-        out_N = torch.empty(index_N.shape, dtype=dtype, device=logits_NV.device)
-        lse_N = torch.empty_like(out_N)
-        for s in range(0, logits_NV.shape[0], chunk_size):
-            x_CV = logits_NV[s : s + chunk_size].to(dtype) / temperature
-            lse_N[s : s + chunk_size] = torch.logsumexp(x_CV, dim=-1)
-            picked = x_CV.gather(-1, index_N[s : s + chunk_size, None]).squeeze(-1)
-            out_N[s : s + chunk_size] = picked - lse_N[s : s + chunk_size]
-        ctx.save_for_backward(logits_NV, index_N, lse_N)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out_N
-
-    @staticmethod
-    def backward(ctx, grad_N):  # type: ignore[override]
-        logits_NV, index_N, lse_N = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk_size
-        grad_NV = torch.empty_like(logits_NV)
-        for s in range(0, logits_NV.shape[0], chunk):
-            e = s + chunk
-            p_CV = torch.exp(logits_NV[s:e].to(lse_N.dtype) / t - lse_N[s:e, None])
-            g_CV = -p_CV * grad_N[s:e, None]
-            g_CV.scatter_add_(-1, index_N[s:e, None], grad_N[s:e, None].to(g_CV.dtype))
-            grad_NV[s:e] = (g_CV / t).to(grad_NV.dtype)
-        return grad_NV, None, None, None
-
-
-def per_token_logps(
-    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, chunk_size: int = 512
-) -> torch.Tensor:
-    """log p(token) under softmax(logits / temperature), in fp32 (fp64 for fp64 logits); extra
-    memory stays O(chunk_size * V) in both passes.
-
-    logits [..., V] must already be aligned: logits[..., t, :] predicts token_ids[..., t].
-    """
-    if logits.shape[:-1] != token_ids.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and token_ids {tuple(token_ids.shape)} disagree; "
-            "pass logits already shifted so that logits[..., t, :] predicts token_ids[..., t]"
-        )
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    lead = token_ids.shape
-    logits_NV = logits.reshape(-1, logits.shape[-1])
-    out_N = _SelectiveLogSoftmax.apply(
-        logits_NV, token_ids.reshape(-1).long(), float(temperature), chunk_size
-    )
-    return out_N.view(lead)
-
-
-def completion_logps(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    logits_to_keep: int,
-    temperature: float = 1.0,
-    micro_batch_size: int | None = None,
-) -> torch.Tensor:
-    """Log-probs of the last `logits_to_keep` tokens of each row under an HF causal LM.
-
-    input_ids / attention_mask [N, P+T]: left-padded prompt then right-padded completion.
-    Returns [N, T] (fp32). Position ids follow the attention mask, as the engine numbers them.
-    """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    step = micro_batch_size or input_ids.shape[0]
-    out = []
-    for s in range(0, input_ids.shape[0], step):
-        logits = model(
-            input_ids=input_ids[s : s + step],
-            attention_mask=attention_mask[s : s + step],
-            position_ids=position_ids[s : s + step],
-            logits_to_keep=logits_to_keep + 1,
-            use_cache=False,
-        ).logits  # [n, T+1, V]: position t predicts token t+1
-        # Score all T+1 positions against the targets plus a dummy, then drop the dummy: this
-        # avoids copying logits[:, :-1] into a contiguous [n, T, V] tensor.
-        targets = input_ids[s : s + step, -logits_to_keep:]  # [n, T]
-        targets = torch.nn.functional.pad(targets, (0, 1))  # [n, T+1]
-        out.append(per_token_logps(logits, targets, temperature)[:, :-1])
-    return torch.cat(out, dim=0)
 
 
 # ---- loss terms -------------------------------------------------------------------------------
@@ -322,7 +231,11 @@ def grpo_loss(
         )
         loss_NS = loss_NS * is_w_NS
         flat = is_w_NS.flatten() if is_w_NS.shape[-1] == 1 else is_w_NS[mask.bool()]
+        if is_w_NS.shape[-1] == 1:  # sequences with no token that counts are not "masked"
+            flat = flat[mask.sum(-1) > 0]
         if flat.numel():
+            # The share of the rollout the correction threw away: masked, or weighted below 1e-3.
+            metrics["sampling/is_dropped_fraction"] = (flat < 1e-3).float().mean().detach()
             metrics["sampling/importance_sampling_ratio/min"] = flat.min().detach()
             metrics["sampling/importance_sampling_ratio/mean"] = flat.mean().detach()
             metrics["sampling/importance_sampling_ratio/max"] = flat.max().detach()

@@ -54,25 +54,30 @@ def generate_rollout(llm, batch: PromptBatch, num_generations: int, params: Samp
 
 
 def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bool = False) -> dict:
-    """Tensors for the trainer: input_ids / attention_mask [N, P+T], completion_mask and
-    engine_logp [N, T]. Truncated completions get an all-zero mask when `mask_truncated`."""
+    """Tensors for the trainer: each row is its prompt, its completion, then right padding.
+
+    input_ids / attention_mask [N, L], prompt_lengths [N] (where row i's completion starts),
+    completion_mask and engine_logp [N, T]. No row is left-padded: a left pad is a query position
+    that attends to nothing, which SDPA's bf16 backward turns into NaN gradients (`logprobs.py`).
+    Truncated completions get an all-zero mask when `mask_truncated`.
+    """
     N = len(rollout.prompt_ids)
-    P = max(map(len, rollout.prompt_ids))
     T = max(1, max(map(len, rollout.completion_ids)))
-    input_ids = torch.full((N, P + T), pad_id, dtype=torch.long)
-    attention = torch.zeros((N, P + T), dtype=torch.long)
+    L = max(len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
+    input_ids = torch.full((N, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((N, L), dtype=torch.long)
+    prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
     completion_mask = torch.zeros((N, T), dtype=torch.float32)
     engine_logp = torch.zeros((N, T), dtype=torch.float32)
     for i, (p, c, lp) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.engine_logps)):
-        input_ids[i, P - len(p) : P] = torch.tensor(p)
-        attention[i, P - len(p) : P + len(c)] = 1
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        attention[i, : len(p) + len(c)] = 1
         if c:
-            input_ids[i, P : P + len(c)] = torch.tensor(c)
             engine_logp[i, : len(c)] = torch.tensor(lp)
             if not (mask_truncated and rollout.truncated[i]):
                 completion_mask[i, : len(c)] = 1.0
     return {
         "input_ids": input_ids.to(device), "attention_mask": attention.to(device),
-        "completion_mask": completion_mask.to(device), "engine_logp": engine_logp.to(device),
-        "logits_to_keep": T,
+        "prompt_lengths": prompt_lengths.to(device), "completion_mask": completion_mask.to(device),
+        "engine_logp": engine_logp.to(device),
     }

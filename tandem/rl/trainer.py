@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,9 +24,10 @@ from tandem.rl.config import GRPOConfig
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.generation import ColocatedGenerator, ServerGenerator
+from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite
 from tandem.rl.logging import MetricsLogger
+from tandem.rl.logprobs import SamplingFilter, completion_logps
 from tandem.rl.loss import (
-    completion_logps,
     group_advantages,
     grpo_loss,
     loss_kwargs_from_config,
@@ -114,6 +116,12 @@ class GRPOTrainer:
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
         )
         self.loss_kwargs = loss_kwargs_from_config(args)
+        # With top-k/top-p/min-p the engine reports logprobs of the truncated distribution: the
+        # trainer scores under the same one, so the engine/trainer ratio stays at 1.
+        filt = SamplingFilter(args.top_k, args.top_p, args.min_p)
+        self.sampling_filter = filt if filt.active else None
+        self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
+        self._warned_dropped = False
         self.global_step = 0
         self.logger: MetricsLogger | None = None
 
@@ -242,6 +250,7 @@ class GRPOTrainer:
                 # average over all ranks' micro-batches: the gradient all-reduce is then a SUM.
                 tokens = self.dist.all_reduce_sum(sum(data["completion_mask"][s].sum() for s in group))
                 num_micro = len(group) * self.dist.world_size
+                first_bad = None
                 for s in group:
                     logp = self._logps(self.model, data, rows=s)
                     loss, m = grpo_loss(
@@ -255,26 +264,64 @@ class GRPOTrainer:
                     m["loss"] = loss.detach() * num_micro
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
+                    if first_bad is None and not is_finite(m["loss"]):
+                        what = "logprobs" if not torch.isfinite(logp.detach()).all() else "loss"
+                        first_bad = f"the trainer's {what} of rows {s.start}-{s.stop - 1}"
                     count += 1
                 self.reduce_grads(self.model)  # FSDP has reduce-scattered them during backward
+                # The norm is global (after the all-reduce / over every shard); inf max_norm only
+                # measures it. A NaN norm must not reach clipping: it would scale every gradient by NaN.
+                norm = self.clip_grad_norm(self.model.parameters(), a.max_grad_norm or math.inf)
+                local_bad = torch.tensor(float(first_bad is not None), device=self.device)
+                finite = is_finite(norm) and float(self.dist.all_reduce_sum(local_bad)) == 0
                 if a.max_grad_norm:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + self.clip_grad_norm(
-                        self.model.parameters(), a.max_grad_norm) * len(group)
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm * len(group)
+                if not finite and first_bad is None:
+                    first_bad = first_nonfinite_grad(self.model)
                 self.global_step += 1
-                self.generator.mark_stale()
+                if self.guard.allow_step(self.global_step, finite, first_bad, self._nonfinite_hint()):
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.generator.mark_stale()
+                self.optimizer.zero_grad(set_to_none=True)
         sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
         count = sums.pop("_count")
-        return {k: v / max(1, count) for k, v in sums.items()}
+        metrics = {k: v / max(1, count) for k, v in sums.items()}
+        metrics["train/nonfinite_steps"] = self.guard.total
+        self._warn_if_dropped_wholesale(metrics)
+        return metrics
+
+    def _nonfinite_hint(self) -> str:
+        a = self.args
+        hint = f"a lower learning_rate (now {a.learning_rate:g})"
+        if self.use_bf16:
+            hint += ", bf16=False (fp32) to tell a precision problem from an unstable run"
+        return hint + ", or check the reward functions for inf/NaN."
+
+    def _warn_if_dropped_wholesale(self, metrics: dict) -> None:
+        """The engine/trainer IS correction zeroing most of a rollout means nothing is being learned."""
+        frac = metrics.get("sampling/is_dropped_fraction")
+        if frac is None or frac < 0.5 or self._warned_dropped:
+            return
+        self._warned_dropped = True
+        warnings.warn(
+            f"step {self.global_step}: the importance-sampling correction "
+            f"({self.args.vllm_importance_sampling_mode}) masked or weighted below 1e-3 {frac:.0%} "
+            f"of this rollout, so it barely contributes to learning; mean |engine - trainer logprob| is "
+            f"{metrics.get('sampling/sampling_logp_difference/mean', float('nan')):.3f}. The engine "
+            "and the trainer disagree on the sampling distribution (check that both see the same "
+            "weights, dtype and sampling parameters), or widen vllm_importance_sampling_clip_max.",
+            stacklevel=2,
+        )
 
     def _logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
         with torch.no_grad() if no_grad else nullcontext(), autocast:
             return completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
-                                    data["logits_to_keep"], self.args.temperature,
-                                    micro_batch_size=self.args.per_device_train_batch_size)
+                                    data["prompt_lengths"][rows], data["completion_mask"].shape[1],
+                                    self.args.temperature, self.args.per_device_train_batch_size,
+                                    head_dtype=torch.bfloat16 if self.use_bf16 else None,
+                                    sampling=self.sampling_filter)
 
     def _rollout_metrics(self, r: Rollout) -> dict:
         lens = self.dist.all_gather(torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32))

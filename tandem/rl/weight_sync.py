@@ -65,5 +65,16 @@ class WeightSync:
 
             ours, rows = local_rows(ours)
             theirs = theirs[rows]
-        if not torch.equal(ours.to(theirs.dtype), theirs):
-            raise RuntimeError("after the weight sync the engine's embedding differs from the trainer's")
+        if torch.equal(ours.to(theirs.dtype), theirs):
+            return
+        bad = int((~torch.isfinite(ours)).sum())
+        if bad:
+            landed = torch.allclose(ours.to(theirs.dtype), theirs, rtol=0, atol=0, equal_nan=True)
+            raise RuntimeError(
+                f"the trainer's weights are not finite ({bad} NaN/inf values in its input embedding), "
+                "so the engine would generate from a broken model"
+                + ("; the copy itself landed" if landed else "; the copy did not land either")
+                + ". An optimizer step wrote them: lower the learning rate or train in fp32 (bf16=False)")
+        raise RuntimeError(
+            "the weight sync did not land: after the copy the engine's input embedding differs "
+            "from the trainer's (finite) one")

@@ -8,17 +8,16 @@ import pytest
 import torch
 
 from tandem.rl.config import GRPOConfig
+from tandem.rl.logprobs import completion_logps
 from tandem.rl.loss import (
     aggregate_loss,
     clipped_surrogate,
-    completion_logps,
     group_advantages,
     grpo_loss,
     importance_weights,
     kl_k3,
     log_importance_ratio,
     loss_kwargs_from_config,
-    per_token_logps,
     reward_metrics,
 )
 
@@ -267,74 +266,6 @@ def test_loss_kwargs_from_config():
     assert kw["loss_type"] == "dr_grpo" and kw["max_completion_length"] == 256
 
 
-# ---- log-probabilities ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("chunk_size", [1, 3, 512])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_per_token_logps_matches_log_softmax(chunk_size, temperature):
-    torch.manual_seed(0)
-    logits = torch.randn(2, 5, 11)
-    ids = torch.randint(0, 11, (2, 5))
-    naive = torch.log_softmax(logits / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
-    got = per_token_logps(logits, ids, temperature, chunk_size=chunk_size)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, naive)
-
-
-def test_per_token_logps_gradient():
-    torch.manual_seed(0)
-    logits = torch.randn(3, 4, 7, dtype=torch.float64, requires_grad=True)
-    ids = torch.randint(0, 7, (3, 4))
-    assert torch.autograd.gradcheck(
-        lambda x: per_token_logps(x, ids, 0.8, chunk_size=5).double(), (logits,), atol=1e-4
-    )
-    weights = torch.randn(3, 4)
-    per_token_logps(logits, ids, 0.8, chunk_size=5).mul(weights).sum().backward()
-    got = logits.grad.clone()
-    logits.grad = None
-    naive = torch.log_softmax(logits / 0.8, -1).gather(-1, ids[..., None]).squeeze(-1)
-    naive.mul(weights).sum().backward()
-    torch.testing.assert_close(got, logits.grad, rtol=1e-5, atol=1e-6)
-
-
-def test_per_token_logps_bf16_is_computed_in_fp32():
-    torch.manual_seed(0)
-    logits = (torch.randn(4, 64) * 5).bfloat16()
-    ids = torch.randint(0, 64, (4,))
-    naive = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None]).squeeze(-1)
-    torch.testing.assert_close(per_token_logps(logits, ids), naive)
-
-
-def test_per_token_logps_checks_alignment():
-    with pytest.raises(ValueError, match="shifted"):
-        per_token_logps(torch.randn(2, 5, 7), torch.zeros(2, 4, dtype=torch.long))
-
-
-def test_completion_logps_left_padding_matches_unpadded(tiny_model):
-    torch.manual_seed(1)
-    prompt_a, prompt_b = torch.randint(0, 128, (5,)), torch.randint(0, 128, (3,))
-    comp = torch.randint(0, 128, (2, 4))
-    # Row b: prompt left-padded by 2 tokens.
-    ids = torch.stack(
-        [
-            torch.cat([prompt_a, comp[0]]),
-            torch.cat([torch.zeros(2, dtype=torch.long), prompt_b, comp[1]]),
-        ]
-    )
-    attn = torch.ones_like(ids)
-    attn[1, :2] = 0
-    with torch.no_grad():
-        got = completion_logps(
-            tiny_model, ids, attn, logits_to_keep=4, temperature=0.9, micro_batch_size=1
-        )
-        for row, prompt in enumerate((prompt_a, prompt_b)):
-            full = torch.cat([prompt, comp[row]])[None]
-            logits = tiny_model(input_ids=full).logits[0, len(prompt) - 1 : -1]
-            want = torch.log_softmax(logits / 0.9, -1).gather(-1, comp[row][:, None]).squeeze(-1)
-            torch.testing.assert_close(got[row], want, rtol=1e-4, atol=1e-5)
-
-
 def test_grpo_steps_raise_the_rewarded_completion(tiny_model):
     """The pieces composed as a trainer calls them: rewards -> advantages -> loss -> step."""
     torch.manual_seed(0)
@@ -343,18 +274,19 @@ def test_grpo_steps_raise_the_rewarded_completion(tiny_model):
     ids = torch.cat([prompt.expand(4, -1), comps], dim=1)
     attn = torch.ones_like(ids)
     mask = torch.ones(4, 3)
+    plen = torch.full((4,), 4)
     adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), num_generations=4)
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.5)
     kwargs = loss_kwargs_from_config(GRPOConfig(max_completion_length=3))
     with torch.no_grad():
-        before = completion_logps(tiny_model, ids, attn, 3).sum(-1)
+        before = completion_logps(tiny_model, ids, attn, plen, 3).sum(-1)
     for _ in range(3):
-        logp = completion_logps(tiny_model, ids, attn, 3)
+        logp = completion_logps(tiny_model, ids, attn, plen, 3)
         loss, _ = grpo_loss(logp, None, adv, mask, **kwargs)
         opt.zero_grad()
         loss.backward()
         opt.step()
     with torch.no_grad():
-        after = completion_logps(tiny_model, ids, attn, 3).sum(-1)
+        after = completion_logps(tiny_model, ids, attn, plen, 3).sum(-1)
     gain = after - before
     assert gain[0] > 0 and (gain[0] > gain[1:]).all()

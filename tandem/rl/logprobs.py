@@ -1,0 +1,185 @@
+"""The trainer's per-token log-probabilities, computed as the engine computes its sampling logprobs.
+
+Two rules keep the two sides equal (DESIGN.md invariant 1):
+- logits in fp32 from the GEMM's accumulator on both sides: the engine's lm_head returns fp32
+  (`tandem.layers.linear.linear_fp32_out`), and so does the trainer's head here, from the same
+  bf16-rounded hidden state and weight (rounding bf16 logits costs ~0.03 nats a token);
+- the same distribution: with top-k / top-p / min-p the engine reports logprobs of the truncated,
+  renormalised distribution ("processed_logprobs"), so the trainer renormalises over the same kept
+  set (`SamplingFilter`), not over the whole vocabulary.
+
+The head is fused with the selective log-softmax and chunked over tokens, so the [tokens, vocab]
+logits never exist at once, in the forward or the backward pass.
+
+Shape suffixes: N = tokens scored, D = hidden, V = vocabulary, C = a chunk of N, B = rows, L = row
+length, T = completion tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.layers.linear import linear_fp32_out
+from tandem.layers.sampler import apply_min_p, apply_top_k_top_p
+
+_CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB
+
+
+@dataclass(frozen=True)
+class SamplingFilter:
+    """The engine's truncation of the sampling distribution (vLLM semantics: top_k 0 / top_p 1 /
+    min_p 0 disable)."""
+
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    def apply(self, x_CV: torch.Tensor, target_C: torch.Tensor) -> torch.Tensor:
+        """x (logits / T) with the dropped tokens at -inf. The sampled token is always kept: the
+        engine kept it (it sampled it), and a rounding difference at the edge of the set must not
+        make its logprob -inf."""
+        C, dev = x_CV.shape[0], x_CV.device
+        out = x_CV
+        if self.top_k > 0 or self.top_p < 1.0:  # the sampler's own functions, as the engine ran them
+            top_k = torch.full((C,), self.top_k, device=dev) if self.top_k > 0 else None
+            top_p = torch.full((C,), self.top_p, device=dev) if self.top_p < 1.0 else None
+            out = apply_top_k_top_p(out, top_k, top_p)
+        if self.min_p > 0.0:
+            out = apply_min_p(out, torch.full((C,), self.min_p, device=dev))
+        return out.scatter(1, target_C[:, None], x_CV.gather(1, target_C[:, None]))
+
+
+class _FusedHeadLogProbs(torch.autograd.Function):
+    """log_softmax(filter(hidden @ weight.T / T))[target], chunk by chunk, fp32 logits.
+
+    hidden [N, D] and weight [V, D] are cast to `dtype` for the GEMMs (bf16 under bf16 training:
+    exactly what the engine's bf16 copy computes with); the products accumulate in fp32. The
+    backward pass recomputes each chunk's logits: d logp / d logits_j = (1[j=t] - p_j) / T.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_ND, weight_VD, target_N, temperature, dtype, filt, chunk):  # type: ignore[override]
+        h_ND, w_VD = hidden_ND.to(dtype), weight_VD.to(dtype)
+        out_N = torch.empty(target_N.shape, dtype=torch.float32, device=hidden_ND.device)
+        lse_N = torch.empty_like(out_N)
+        for s in range(0, h_ND.shape[0], chunk):
+            x_CV = _chunk_logits(h_ND[s : s + chunk], w_VD, target_N[s : s + chunk], temperature, filt)
+            lse_N[s : s + chunk] = torch.logsumexp(x_CV, dim=-1)
+            out_N[s : s + chunk] = x_CV.gather(1, target_N[s : s + chunk, None]).squeeze(1) - lse_N[s : s + chunk]
+        ctx.save_for_backward(h_ND, weight_VD, target_N, lse_N)
+        ctx.args = (temperature, dtype, filt, chunk, hidden_ND.dtype)
+        return out_N
+
+    @staticmethod
+    def backward(ctx, grad_N):  # type: ignore[override]
+        h_ND, weight_VD, target_N, lse_N = ctx.saved_tensors
+        temperature, dtype, filt, chunk, hidden_dtype = ctx.args
+        w_VD = weight_VD.to(dtype)
+        grad_h = torch.empty(h_ND.shape, dtype=hidden_dtype, device=h_ND.device)
+        grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=h_ND.device)
+        for s in range(0, h_ND.shape[0], chunk):
+            e = s + chunk
+            x_CV = _chunk_logits(h_ND[s:e], w_VD, target_N[s:e], temperature, filt)
+            g_C = grad_N[s:e].float()
+            g_CV = torch.exp(x_CV - lse_N[s:e, None]).mul_(-g_C[:, None])  # 0 where dropped
+            g_CV.scatter_add_(1, target_N[s:e, None], g_C[:, None])
+            g_CV = g_CV.div_(temperature).to(dtype)
+            grad_h[s:e] = (g_CV @ w_VD).to(hidden_dtype)
+            grad_w += linear_fp32_out(g_CV.t(), h_ND[s:e].t())
+        return grad_h, grad_w.to(weight_VD.dtype), None, None, None, None, None
+
+
+def _chunk_logits(h_CD, w_VD, target_C, temperature, filt: SamplingFilter | None) -> torch.Tensor:
+    x_CV = linear_fp32_out(h_CD, w_VD)
+    if temperature != 1.0:
+        x_CV = x_CV.div_(temperature)
+    return filt.apply(x_CV, target_C) if filt is not None and filt.active else x_CV
+
+
+def head_logprobs(
+    hidden_ND: torch.Tensor,
+    weight_VD: torch.Tensor,
+    target_N: torch.Tensor,
+    temperature: float = 1.0,
+    dtype: torch.dtype | None = None,
+    sampling: SamplingFilter | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """log p(target) under the (filtered) softmax of hidden @ weight.T / temperature, in fp32;
+    extra memory O(chunk_size * V) in both passes."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    dtype = dtype or hidden_ND.dtype
+    chunk = chunk_size or max(16, _CHUNK_BYTES // (4 * weight_VD.shape[0]))
+    with torch.autocast(hidden_ND.device.type, enabled=False):
+        return _FusedHeadLogProbs.apply(hidden_ND, weight_VD, target_N.long(), float(temperature),
+                                        dtype, sampling, chunk)
+
+
+def completion_logps(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    num_completion_tokens: int,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    head_dtype: torch.dtype | None = None,
+    sampling: SamplingFilter | None = None,
+) -> torch.Tensor:
+    """Per-token log-probs [B, T] (fp32) of each row's completion under an HF causal LM.
+
+    input_ids / attention_mask [B, L]: prompt then completion then right padding, never left
+    padding: a left-padded row has query positions that attend to nothing, and SDPA's bf16
+    backward turns those fully masked rows into NaN gradients. Row i's completion starts at
+    prompt_lengths[i]; positions count from 0 at each row's first token, as the engine numbers
+    them. Completion positions past a row's end score 0.
+    """
+    B, L = input_ids.shape
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    tgt_pos = prompt_lengths[:, None] + torch.arange(num_completion_tokens, device=input_ids.device)
+    valid = tgt_pos < L  # [B, T]: a completion token sits there
+    tgt_pos = tgt_pos.clamp(max=L - 1)
+    valid &= attention_mask.gather(1, tgt_pos).bool()
+    targets = input_ids.gather(1, tgt_pos)
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("an lm_head with a bias is not supported by the fused log-prob head")
+    step = micro_batch_size or B
+    out = torch.zeros(valid.shape, dtype=torch.float32, device=input_ids.device)
+    for s in range(0, B, step):
+        rows = slice(s, s + step)
+        v = valid[rows]
+        b_idx = torch.arange(v.shape[0], device=v.device)[:, None].expand_as(v)[v]
+        scorer = _ScoringHead(head, b_idx, tgt_pos[rows][v] - 1, targets[rows][v], temperature,
+                              head_dtype, sampling)
+        model.set_output_embeddings(scorer)
+        try:  # the model's own forward, so a sharded (FSDP) root gathers the head's weight
+            lp_N = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                         position_ids=positions[rows], logits_to_keep=0, use_cache=False).logits
+        finally:
+            model.set_output_embeddings(head)
+        out[rows] = out[rows].masked_scatter(v, lp_N)
+    return out
+
+
+class _ScoringHead(torch.nn.Module):
+    """Stands in for the lm_head during one forward pass: instead of [b, L, V] logits it returns
+    the log-probs of the targets, from the states that predict them, through the real head's
+    weight (`head_logprobs`)."""
+
+    def __init__(self, head, b_idx, pred_pos, targets, temperature, dtype, sampling):
+        super().__init__()
+        self.head = head
+        self.b_idx, self.pred_pos, self.targets = b_idx, pred_pos, targets
+        self.args = (temperature, dtype, sampling)
+
+    def forward(self, hidden_bLD: torch.Tensor) -> torch.Tensor:
+        return head_logprobs(hidden_bLD[self.b_idx, self.pred_pos], self.head.weight, self.targets,
+                             *self.args)

@@ -1,0 +1,145 @@
+"""The trainer's log-probabilities: the fused fp32 head against plain torch, the right-padded
+layout against unpadded rows, and the sampling filter against the engine's sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.layers.sampler import Sampler, SamplingMetadata
+from tandem.rl.logprobs import SamplingFilter, completion_logps, head_logprobs
+from tandem.rl.rollout import Rollout, pack
+
+
+def naive_logps(h, w, t, temperature=1.0, filt=None):
+    x = (h.float() @ w.float().t()) / temperature
+    if filt is not None:
+        kept = naive_kept(x, filt)
+        kept[torch.arange(len(t)), t] = True
+        x = x.masked_fill(~kept, float("-inf"))
+    return torch.log_softmax(x, -1).gather(1, t[:, None]).squeeze(1)
+
+
+def naive_kept(x, filt):
+    """top-k, then top-p over what is left, then min-p, written out row by row (vLLM semantics)."""
+    kept = torch.ones_like(x, dtype=torch.bool)
+    for r in range(x.shape[0]):
+        order = torch.argsort(x[r], descending=True)
+        if filt.top_k:
+            kept[r, order[filt.top_k:]] = False
+        if filt.top_p < 1.0:
+            probs = torch.softmax(x[r].masked_fill(~kept[r], float("-inf")), -1)[order]
+            before = torch.cumsum(probs, 0) - probs  # mass of the tokens ranked above
+            kept[r, order[before >= filt.top_p]] = False
+        if filt.min_p:
+            probs = torch.softmax(x[r].masked_fill(~kept[r], float("-inf")), -1)
+            kept[r] &= probs >= filt.min_p * probs.max()
+    return kept
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, None])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_head_logprobs_forward_and_backward_match_torch(chunk_size, temperature):
+    torch.manual_seed(0)
+    h = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(37, 16, requires_grad=True)
+    t = torch.randint(0, 37, (10,))
+    g = torch.randn(10)
+    got = head_logprobs(h, w, t, temperature, chunk_size=chunk_size)
+    assert got.dtype == torch.float32
+    (got * g).sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    want = naive_logps(h, w, t, temperature)
+    (want * g).sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gh, h.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_head_logprobs_bf16_scores_the_rounded_inputs_in_fp32():
+    """What the engine's bf16 copy computes: bf16 hidden and weight, fp32 logits (not rounded)."""
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 32) * 3, torch.randn(50, 32)
+    t = torch.randint(0, 50, (6,))
+    got = head_logprobs(h, w, t, dtype=torch.bfloat16)
+    want = naive_logps(h.bfloat16(), w.bfloat16(), t)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    rounded = naive_logps((h.bfloat16().float() @ w.bfloat16().float().t()).bfloat16(), torch.eye(50), t)
+    assert (got - rounded).abs().max() > 1e-3  # bf16 logits would have been a different number
+
+
+@pytest.mark.parametrize("filt", [SamplingFilter(top_k=5), SamplingFilter(top_p=0.8),
+                                  SamplingFilter(top_k=20, top_p=0.8), SamplingFilter(min_p=0.1),
+                                  SamplingFilter(top_k=8, top_p=0.9, min_p=0.05)])
+def test_sampling_filter_renormalises_over_the_kept_set(filt):
+    torch.manual_seed(0)
+    h = torch.randn(12, 16, requires_grad=True)
+    w = torch.randn(40, 16)
+    t = torch.randint(0, 40, (12,))
+    got = head_logprobs(h, w, t, 0.9, sampling=filt, chunk_size=5)
+    want = naive_logps(h, w, t, 0.9, filt)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    gh = h.grad.clone()
+    h.grad = None
+    want.sum().backward()
+    torch.testing.assert_close(gh, h.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_filter_equals_the_engine_samplers_processed_logprobs():
+    """The trainer's filtered logprob of a token is the engine sampler's processed_logprobs."""
+    torch.manual_seed(0)
+    S, V = 64, 50
+    logits = torch.randn(S, V) * 2
+    filt = SamplingFilter(top_k=20, top_p=0.8)
+    meta = SamplingMetadata(
+        temperature=torch.full((S,), 0.9), greedy=torch.zeros(S, dtype=torch.bool), all_greedy=False,
+        top_k=torch.full((S,), 20), top_p=torch.full((S,), 0.8), min_p=None, generators={},
+        max_num_logprobs=0, processed_logprobs=True,
+    )
+    out = Sampler(seed=0, device=torch.device("cpu"))(logits, meta)
+    got = head_logprobs(logits, torch.eye(V), out.token_ids, 0.9, sampling=filt)
+    torch.testing.assert_close(got, out.logprobs, rtol=0, atol=1e-5)
+
+
+def test_pack_right_pads_and_completion_logps_match_unpadded_rows(tiny_model):
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 128, (5,)).tolist(), torch.randint(0, 128, (3,)).tolist()]
+    comps = [torch.randint(0, 128, (4,)).tolist(), torch.randint(0, 128, (2,)).tolist()]
+    r = Rollout(prompts, comps, [[0.0] * 4, [0.0] * 2], [False, False], ["", ""])
+    data = pack(r, pad_id=0, device=torch.device("cpu"))
+    assert data["attention_mask"][:, 0].all(), "no row may start with padding"
+    assert data["prompt_lengths"].tolist() == [5, 3]
+    with torch.no_grad():
+        got = completion_logps(tiny_model, data["input_ids"], data["attention_mask"],
+                               data["prompt_lengths"], 4, temperature=0.9, micro_batch_size=1)
+        for row, (p, c) in enumerate(zip(prompts, comps)):
+            full = torch.tensor(p + c)[None]
+            logits = tiny_model(input_ids=full).logits[0, len(p) - 1 : -1]
+            want = torch.log_softmax(logits / 0.9, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+            torch.testing.assert_close(got[row, : len(c)], want, rtol=1e-4, atol=1e-5)
+            assert (got[row, len(c):] == 0).all()
+
+
+def test_completion_logps_gradients_match_the_full_logits_path(tiny_model):
+    """The fused head changes no gradient: same parameter gradients as HF's logits (fp32)."""
+    torch.manual_seed(2)
+    ids = torch.randint(0, 128, (3, 9))
+    am = torch.ones_like(ids)
+    am[2, 7:] = 0
+    plen = torch.tensor([4, 5, 3])
+    weights = torch.randn(3, 5)
+    completion_logps(tiny_model, ids, am, plen, 5).mul(weights).sum().backward()
+    fused = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+    tiny_model.zero_grad()
+    logp = torch.log_softmax(tiny_model(input_ids=ids, attention_mask=am).logits, -1)
+    total = 0.0
+    for i in range(3):
+        for t in range(5):
+            pos = int(plen[i]) + t
+            if pos < 9 and am[i, pos]:
+                total = total + weights[i, t] * logp[i, pos - 1, ids[i, pos]]
+    total.backward()
+    for n, p in tiny_model.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
