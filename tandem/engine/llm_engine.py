@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,25 +12,13 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.async_output import AsyncSamplerOutput
 from tandem.engine.block_manager import BlockManager
-from tandem.engine.colocation import ColocationMixin
-from tandem.engine.cumem import vmm_available
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
-from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence, SequenceStatus
-from tandem.engine.sleep_mode import WeightStore
 from tandem.engine.stop_checker import check_stop, find_stop_string
-from tandem.models.loader import (
-    ModelSource,
-    build_model,
-    check_all_loaded,
-    init_dummy_weights,
-    load_weights,
-    resolve_model,
-)
+from tandem.engine.worker import Worker
+from tandem.models.loader import ModelSource, resolve_model
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
-from tandem.parallel.tensor_parallel import init_tensor_parallel
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -55,41 +44,28 @@ class RequestState:
         return True
 
 
-class LLMEngine(ColocationMixin):
-    """The engine loop of DESIGN.md: add_request -> step (schedule, run, postprocess) -> outputs."""
+class LLMEngine:
+    """The engine loop of DESIGN.md: add_request -> step (schedule, run, postprocess) -> outputs.
+
+    The worker owns the device (model, weights, KV cache, graphs, sleep/wake); the engine owns
+    the requests: scheduling, the in-flight step, output processing.
+    """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
         self.config = config
         source = resolve_model(model if model is not None else config.model, config.load_format,
                                config.trust_remote_code)
         self.hf_config = source.hf_config
-        self.device = resolve_device(config.device, source.hf_model)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device, source.hf_model)
         self.max_model_len = self._resolve_max_model_len()
         config.check_model_len(self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(source)
-        self.model = build_model(self.hf_config, self.max_model_len, self.dtype, self.device)
-        self.tp_group = init_tensor_parallel(self.model, config, self.device)  # None unless TP > 1
-        self._load_initial_weights(source)
-        self.use_cumem = self._use_cumem()
-        self.weight_store = WeightStore(self.model, self.device, self.use_cumem)
-        self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
-        self.attention_backend = self.model_runner.set_attention_backend(config.attention_backend)
-        self.num_blocks = determine_num_blocks(self, config)
-        if self.tp_group is not None:  # tensor parallel: ranks schedule alike, smallest cache wins
-            self.num_blocks = self.tp_group.agree_min(self.num_blocks)
-        self.model_runner.allocate_kv_cache(self.num_blocks, self.use_cumem)
-        self.cudagraph_capture_s = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton":
-            self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
-        self.kernel_warmup_s = None
-        if self.device.type == "cuda" and self.attention_backend == "triton":
-            self.kernel_warmup_s = self.model_runner.warmup_kernels(self.max_model_len)
+        self.worker = Worker(config, source, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        graphs = self.model_runner.graph_runner is not None  # without them no step is cheaper
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            config.enable_chunked_prefill, config.max_admission_delay_steps if graphs else 0,
+            config.enable_chunked_prefill,
+            # without graphs no step is cheaper than another: holding prompts back gains nothing
+            config.max_admission_delay_steps if self.worker.has_graphs else 0,
         )
         # vLLM's async scheduling: on by default where a device runs asynchronously to the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -98,7 +74,6 @@ class LLMEngine(ColocationMixin):
         self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
         self._drained: list[RequestOutput] = []
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner.eos_token_ids = self.eos_token_ids
         self.requests: dict[str, RequestState] = {}
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
@@ -108,17 +83,32 @@ class LLMEngine(ColocationMixin):
         # time is the host's own work: when it is most of it, the host is the bottleneck)
         self.device_wait_s = 0.0
 
-    # -- setup ---------------------------------------------------------------------------------------
-    def _use_cumem(self) -> bool:
-        cfg = self.config
-        if not cfg.enable_sleep_mode or self.device.type != "cuda" or cfg.sleep_mode_backend == "recapture":
-            return False
-        if not vmm_available():
-            if cfg.sleep_mode_backend == "cumem":
-                raise ValueError("sleep_mode_backend='cumem' needs cuda.bindings (pip install cuda-python)")
-            return False
-        return True
+    # -- the worker's state, as callers read it ------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model
 
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    @property
+    def weights_version(self) -> int:
+        return self.worker.weights_version
+
+    @property
+    def weights_valid(self) -> bool:
+        return self.worker.weights_valid
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.worker.sleep_level > 0
+
+    # -- setup ---------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.config.max_model_len is None:
@@ -138,13 +128,9 @@ class LLMEngine(ColocationMixin):
 
         return AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
 
-    def _load_initial_weights(self, source: ModelSource) -> None:
-        if self.config.load_format == "dummy":
-            init_dummy_weights(self.model, self.config.seed)
-            return
-        check_all_loaded(self.model, load_weights(self.model, source.weights()))
-
     def _eos_token_ids(self) -> set[int]:
+        """The model's end-of-sequence ids (generation config, else model config, else tokenizer):
+        the one place they are worked out; each Sequence folds them into its stop set."""
         ids: set[int] = set()
         gen_cfg = None
         path = getattr(self.hf_config, "_name_or_path", None)
@@ -210,7 +196,7 @@ class LLMEngine(ColocationMixin):
         output_kind: str = "cumulative",
     ) -> str:
         """Queue a request; raises ValueError (engine state untouched) on bad input."""
-        self._check_awake()
+        self.worker.check_awake()
         if output_kind not in ("cumulative", "delta", "final_only"):
             raise ValueError(f"output_kind must be cumulative, delta or final_only, got {output_kind!r}")
         text, ids = self.tokenize_prompt(prompt)
@@ -277,9 +263,9 @@ class LLMEngine(ColocationMixin):
         launched = None
         if not sched.is_empty:
             prev = self._in_flight[1].token_ids if self._in_flight is not None else None
-            sampled = self.model_runner.run(sched, prev)
+            sampled = self.worker.execute_model(sched, prev)
             launched = (sched, None if sampled is None else
-                        AsyncSamplerOutput(sampled, self.model_runner.sampling_reads_history))
+                        AsyncSamplerOutput(sampled, self.worker.model_runner.sampling_reads_history))
         self.drain()  # the previous step's tokens: read while the device runs this one
         if launched is not None:
             self.scheduler.update_from_output(sched)
@@ -446,3 +432,44 @@ class LLMEngine(ColocationMixin):
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
+
+    # -- sleep, wake and weight updates: what lets the engine share a GPU with a trainer ---------
+    def sleep(self, level: int = 1) -> dict:
+        """Level 1: weights to pinned host memory, KV cache freed. Level 2: both freed."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep() needs the engine built with enable_sleep_mode=True")
+        if self.is_sleeping:
+            return {"already_sleeping": True}
+        if self.has_unfinished_requests():
+            raise ValueError(f"cannot sleep with {len(self.requests)} requests in flight; abort them first")
+        self.drain()  # nothing may still be running on the memory about to go
+        return self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Bring back the weights and/or the KV cache; the prefix cache starts empty."""
+        return self.worker.wake_up(tags, on_kv_cache=self.block_manager.reset_prefix_cache)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the engine in place (merging q/k/v and gate/up).
+
+        Works while asleep: the weights are woken first. Returns how many tensors were loaded.
+        """
+        n = self.worker.load_weights(weights)
+        self.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        return n
+
+    def update_weights_from_model(self, model: torch.nn.Module) -> int:
+        """Copy a trainer's HF model into the engine, device to device, never through disk."""
+        def tensors():
+            for name, t in model.state_dict().items():
+                if hasattr(t, "full_tensor"):  # FSDP2 / DTensor shards: gather this one tensor
+                    t = t.full_tensor()
+                yield name, t.detach()
+
+        return self.load_weights(tensors())
+
+    def memory_report(self) -> dict:
+        """Where the engine's memory is: weights, KV cache, CUDA graphs, other, and what is free."""
+        return self.worker.memory_report()

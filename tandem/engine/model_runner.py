@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.forward_context import AttentionMetadata, set_attention_metadata
+from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
 from tandem.layers.attention import Attention
@@ -33,7 +33,6 @@ class ModelRunner:
         self._block_table_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
-        self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
         # whether the last step's sampling read the sequences' output tokens (penalties)
         self.sampling_reads_history = False
 
@@ -108,7 +107,7 @@ class ModelRunner:
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         T = int(qsl[-1])
-        decode_only = T == B
+        decode_only = sched.is_decode_only
         if decode_only:
             input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, B)
             positions = starts
@@ -235,9 +234,8 @@ class ModelRunner:
             m.generators[row] = seq.generator
         rows, cols = [], []
         for row, seq in enumerate(seqs):
-            p = seq.sampling_params
-            if seq.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if seq.num_output_tokens < seq.sampling_params.min_tokens:
+                banned = seq.stop_ids  # EOS (unless ignore_eos) and stop_token_ids
                 rows.extend([row] * len(banned))
                 cols.extend(banned)
         if rows:

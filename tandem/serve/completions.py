@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.serve.errors import APIError
 from tandem.serve.protocol import CompletionRequest
-from tandem.serve.request_stream import RequestStream
+from tandem.engine.request_stream import RequestStream
 from tandem.serve.serving import (
     OpenAIServing,
     disconnected_response,

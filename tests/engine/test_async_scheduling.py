@@ -81,8 +81,8 @@ def test_the_next_step_launches_before_the_previous_tokens_are_read(monkeypatch)
     llm = LLM(make_tiny_model("llama"), async_scheduling=True)
     engine = llm.llm_engine
     events = []
-    run = engine.model_runner.run
-    monkeypatch.setattr(engine.model_runner, "run", lambda *a: events.append("launch") or run(*a))
+    run = engine.worker.model_runner.run
+    monkeypatch.setattr(engine.worker.model_runner, "run", lambda *a: events.append("launch") or run(*a))
     get = llm_engine_module.AsyncSamplerOutput.get
     monkeypatch.setattr(llm_engine_module.AsyncSamplerOutput, "get", lambda self: events.append("read") or get(self))
     engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -19,8 +19,8 @@ from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.outputs import RequestOutput
-from tandem.serve.metrics import EngineStats
-from tandem.serve.weight_sync import WeightSyncWorker
+from tandem.engine.metrics import EngineStats
+from tandem.weights.receiver import WeightSyncWorker
 
 logger = logging.getLogger("tandem.serve")
 

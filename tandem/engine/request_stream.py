@@ -18,7 +18,7 @@ from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tandem.engine.llm_engine import PromptType
-    from tandem.serve.async_engine import AsyncLLM
+    from tandem.engine.async_llm import AsyncLLM
 
 
 class RequestStream:
