@@ -5,43 +5,21 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.async_output import AsyncSamplerOutput
 from tandem.engine.block_manager import BlockManager
-from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
-from tandem.engine.sequence import Sequence, SequenceStatus
-from tandem.engine.stop_checker import check_stop, find_stop_string
+from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
+from tandem.engine.sequence import Sequence
 from tandem.engine.worker import Worker
 from tandem.models.loader import ModelSource, resolve_model
-from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_kind: str  # "cumulative" | "delta" | "final_only"
-    seqs: list[Sequence] = field(default_factory=list)
-    detokenizers: list[IncrementalDetokenizer] | None = None
-    sent_tokens: list[int] = field(default_factory=list)  # per sample, for delta outputs
-    sent_chars: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        for s in self.seqs:  # a plain loop: this runs for every streamed output
-            if s.status is not SequenceStatus.FINISHED:
-                return False
-        return True
 
 
 class LLMEngine:
@@ -73,11 +51,10 @@ class LLMEngine:
         # the launched step whose sampled tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
         self._drained: list[RequestOutput] = []
-        self.eos_token_ids = self._eos_token_ids()
-        self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids = frozenset(self._eos_token_ids())
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
-        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
         # host seconds spent waiting for the device to finish a step (the rest of a step's host
         # time is the host's own work: when it is most of it, the host is the bottleneck)
@@ -107,6 +84,11 @@ class LLMEngine:
     @property
     def is_sleeping(self) -> bool:
         return self.worker.sleep_level > 0
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The unfinished requests, by id."""
+        return self.output_processor.requests
 
     # -- setup ---------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
@@ -197,7 +179,7 @@ class LLMEngine:
     ) -> str:
         """Queue a request; raises ValueError (engine state untouched) on bad input."""
         self.worker.check_awake()
-        if output_kind not in ("cumulative", "delta", "final_only"):
+        if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be cumulative, delta or final_only, got {output_kind!r}")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_request(ids, params)
@@ -207,20 +189,11 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
-        eos = frozenset(self.eos_token_ids)
         for i in range(params.n):
-            seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, eos)
+            seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, self.eos_token_ids)
             leader = leader or seq
             state.seqs.append(seq)
-        if output_kind != "final_only" or params.stop_strings:
-            if params.detokenize and self.tokenizer is not None:
-                state.detokenizers = [
-                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                    for _ in state.seqs
-                ]
-        state.sent_tokens = [0] * params.n
-        state.sent_chars = [0] * params.n
-        self.requests[request_id] = state
+        self.output_processor.add_request(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
         return request_id
@@ -284,16 +257,17 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         self._postprocess(*self._in_flight, touched)
         self._in_flight = None
-        self._drained += [out for st in touched.values() if (out := self._make_output(st)) is not None]
+        self._drained += [out for st in touched.values() if (out := self.output_processor.make_output(st)) is not None]
 
     def _take_drained(self) -> list[RequestOutput]:
         out, self._drained = self._drained, []
         return out
 
     def _postprocess(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput, touched: dict[str, RequestState]) -> None:
+        """Take the step's sampled tokens into their sequences; finish the ones that stopped."""
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
         self.device_wait_s += sampled.wait_s
-        interval = self.config.stream_interval
+        outputs = self.output_processor
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if not smp:
@@ -301,130 +275,16 @@ class LLMEngine:
             row += 1
             if not seq.has_placeholder:
                 continue  # finished or aborted meanwhile: this row was computed for nothing
-            tok, lp = token_ids[row], logprobs[row]
-            seq.fill_placeholder(tok, lp)
-            k = seq.sampling_params.logprobs
-            if k is not None:
-                seq.output_ranks.append(ranks[row])
-                if k and topk_ids is not None:
-                    seq.top_logprobs.append(
-                        {t: (lp_t, r + 1) for r, (t, lp_t) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k]))})
+            seq.fill_placeholder(token_ids[row], logprobs[row])
+            if seq.sampling_params.logprobs is not None:
+                outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
-            self._check_finished(state, seq)
-            # final_only requests produce an output only when a sample finishes; streamed ones
-            # on their first token (time to first token is not held back), then every
-            # stream_interval tokens, as vLLM's
-            if seq.is_finished or (state.output_kind != "final_only" and (
-                    seq.num_output_tokens - state.sent_tokens[seq.index] >= interval
-                    or state.sent_tokens[seq.index] == 0)):
+            stop = outputs.check_stop(state, seq)
+            if stop is not None:
+                self.scheduler.finish(seq, stop[0], stop[1])
+            if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
-
-    def _check_finished(self, state: RequestState, seq: Sequence) -> None:
-        stop = check_stop(seq)
-        if state.detokenizers is not None and seq.sampling_params.stop_strings:
-            # stop strings are matched as the text grows: detokenize every token
-            det = state.detokenizers[seq.index]
-            delta = det.add(seq.last_token_id)
-            if stop is None and delta:
-                hit = find_stop_string(det.text, len(delta), seq.sampling_params.stop_strings)
-                if hit is not None:
-                    stop_str, idx = hit
-                    end = idx + len(stop_str) if seq.sampling_params.include_stop_str_in_output else idx
-                    det.text = det.text[:end]
-                    stop = ("stop", stop_str)
-            elif stop is not None:
-                det.flush()
-            seq.output_text = det.text
-        if stop is not None:
-            self.scheduler.finish(seq, stop[0], stop[1])
-
-    @staticmethod
-    def _catch_up_text(state: RequestState, seq: Sequence) -> None:
-        """Without stop strings a sample's text is only needed when it is emitted: detokenize the
-        tokens since the last emission now, in one go (and flush at the end)."""
-        det = state.detokenizers[seq.index]
-        if not seq.sampling_params.stop_strings:
-            det.add_many(seq.token_ids[seq.num_prompt_tokens + det.num_added :])
-            if seq.is_finished:
-                det.flush()
-            seq.output_text = det.text
-
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
-        finished = state.finished
-        if state.output_kind == "final_only" and not finished:
-            return None
-        outputs = []
-        for seq in state.seqs:
-            i = seq.index
-            start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
-            if state.detokenizers is not None:
-                self._catch_up_text(state, seq)
-                text = seq.output_text
-            else:
-                text = self._decode_final(seq)
-            if not seq.is_finished and seq.sampling_params.stop_strings:
-                # hold back what could still become the start of a stop string
-                text = text[: max(0, len(text) - max(map(len, seq.sampling_params.stop_strings)) + 1)]
-            start_chr = state.sent_chars[i] if state.output_kind == "delta" else 0
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=text[start_chr:],
-                    token_ids=seq.token_ids[seq.num_prompt_tokens + start_tok :],
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=self._logprobs(seq, start_tok),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-            state.sent_tokens[i] = seq.num_output_tokens
-            state.sent_chars[i] = len(text)
-        if finished:
-            self.requests.pop(state.request_id, None)
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=state.seqs[0].num_cached_tokens,
-            metrics={"arrival_time": state.seqs[0].arrival_time,
-                     "first_token_time": min((s.first_token_time for s in state.seqs if s.first_token_time),
-                                             default=None)},
-        )
-
-    def _decode_final(self, seq: Sequence) -> str:
-        if not seq.is_finished or self.tokenizer is None or not seq.sampling_params.detokenize:
-            return ""
-        return self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
-        )
-
-    def _logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]] | None:
-        if seq.sampling_params.logprobs is None:
-            return None
-        text = self._token_text
-        out = []
-        tops = seq.top_logprobs
-        ids, p = seq.token_ids, seq.num_prompt_tokens
-        for i in range(start, len(seq.output_ranks)):
-            t = ids[p + i]
-            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text(t))}
-            if tops:
-                for t_k, (lp_k, rank_k) in tops[i].items():
-                    if t_k not in entry:
-                        entry[t_k] = Logprob(lp_k, rank_k, text(t_k))
-            out.append(entry)
-        return out
-
-    def _token_text(self, token_id: int) -> str | None:
-        """`decode([token_id])`, cached: the vocabulary bounds the cache, and a token's text is
-        looked up once per vocabulary entry instead of once per sampled token."""
-        text = self._token_texts.get(token_id)
-        if text is None and self.tokenizer is not None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     # -- introspection -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
