@@ -63,7 +63,6 @@ class Sequence:
         # hot loop allocates nothing the cyclic collector has to walk.
         self.output_ranks: list[int] = []
         self.top_logprobs: list[dict[int, tuple[float, int]]] = []
-        self.prompt_logprobs: list[dict[int, float] | None] = []
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.output_text = ""
