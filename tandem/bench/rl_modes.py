@@ -211,7 +211,8 @@ class _server:
 
 
 def _trainer(cfg, world_size: int, **overrides):
-    from tandem.bench.rl_workload import batching as workload_batching, even_token_reward, model_and_data
+    from tandem.bench.rl_workload import batching as workload_batching
+    from tandem.bench.rl_workload import even_token_reward, model_and_data
     from tandem.rl import GRPOConfig, GRPOTrainer
 
     model, tok, data = model_and_data(cfg)

@@ -18,10 +18,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine, PromptType
-from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
-from tandem.engine.core_client import ENGINE_MODES, EngineCoreConns, MPClient, make_client
 from tandem.engine.core import (
     ABORT,
     ADD,
@@ -31,8 +27,12 @@ from tandem.engine.core import (
     EngineInfo,
     EngineUnavailable,
 )
+from tandem.engine.core_client import ENGINE_MODES, EngineCoreConns, MPClient, make_client
+from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.engine.metrics import EngineStats, ServerMetrics
 from tandem.engine.request_stream import RequestStream
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineError", "EngineUnavailable", "Overloaded"]
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
-from tandem.outputs import RequestOutput
 from tandem.engine.metrics import EngineStats
+from tandem.outputs import RequestOutput
 from tandem.weights.receiver import WeightSyncWorker
 
 logger = logging.getLogger("tandem.serve")

@@ -19,7 +19,6 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
 from tandem.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.core import (
     STOP,
     EngineCore,
@@ -28,6 +27,7 @@ from tandem.engine.core import (
     EngineUnavailable,
 )
 from tandem.engine.core_proc import run_engine_core
+from tandem.engine.llm_engine import LLMEngine
 
 # "process" (the default): the core runs in a process of its own, as vLLM V1's EngineCoreProc;
 # "thread": in a thread of the caller's process

@@ -12,10 +12,10 @@ import signal
 from multiprocessing.connection import Connection
 
 from tandem.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.core_fanout import CoreClients, portable
 from tandem.engine.gc_pause import freeze_for_good
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.core_fanout import CoreClients, portable
-from tandem.engine.core import EngineCore
 
 logger = logging.getLogger("tandem.serve")
 

@@ -8,10 +8,10 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
+from tandem.engine.executor import start_workers
 from tandem.engine.gc_pause import frozen_heap
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.outputs import RequestOutput
-from tandem.engine.executor import start_workers
 from tandem.sampling_params import SamplingParams
 
 

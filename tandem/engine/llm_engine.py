@@ -11,8 +11,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.async_output import AsyncSamplerOutput
 from tandem.engine.block_manager import BlockManager
-from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
+from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.engine.worker import Worker
 from tandem.models.loader import ModelSource, resolve_model
@@ -23,7 +23,7 @@ PromptType = str | list[int] | dict
 
 
 class LLMEngine:
-    """The engine loop of DESIGN.md: add_request -> step (schedule, run, postprocess) -> outputs.
+    """The engine loop of docs/architecture.md: add_request -> step (schedule, run, postprocess) -> outputs.
 
     The worker owns the device (model, weights, KV cache, graphs, sleep/wake); the engine owns
     the requests: scheduling, the in-flight step, output processing.

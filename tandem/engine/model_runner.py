@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention
 from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 

@@ -47,12 +47,12 @@ class OutputProcessor:
 
     def add_request(self, state: RequestState) -> None:
         params = state.params
-        if state.output_kind != "final_only" or params.stop_strings:
-            if params.detokenize and self.tokenizer is not None:
-                state.detokenizers = [
-                    IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params.skip_special_tokens)
-                    for _ in state.seqs
-                ]
+        wants_text = state.output_kind != "final_only" or params.stop_strings
+        if wants_text and params.detokenize and self.tokenizer is not None:
+            state.detokenizers = [
+                IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params.skip_special_tokens)
+                for _ in state.seqs
+            ]
         state.sent_tokens = [0] * params.n
         state.sent_chars = [0] * params.n
         self.requests[state.request_id] = state

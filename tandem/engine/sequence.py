@@ -8,6 +8,7 @@ import time
 
 from tandem.sampling_params import SamplingParams
 
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

@@ -19,7 +19,13 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sleep_mode import WeightStore
 from tandem.layers.sampler import SamplerOutput
-from tandem.models.loader import ModelSource, build_model, check_all_loaded, init_dummy_weights, load_weights
+from tandem.models.loader import (
+    ModelSource,
+    build_model,
+    check_all_loaded,
+    init_dummy_weights,
+    load_weights,
+)
 from tandem.parallel.tensor_parallel import init_tensor_parallel
 
 SLEEP_TAGS = ("weights", "kv_cache")
@@ -153,7 +159,7 @@ class Worker:
             torch.cuda.current_stream(self.device).synchronize()
         self.weights_version += 1
         if not self.weights_valid:
-            missing = set(n for n, _ in self.model.named_parameters()) - loaded
+            missing = {n for n, _ in self.model.named_parameters()} - loaded
             if missing:
                 raise ValueError(f"after sleep(level=2) every weight must be loaded; missing {sorted(missing)[:5]}")
             self.weights_valid = True

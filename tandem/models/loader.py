@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tandem.models import gguf
-from tandem.models.presets import preset_config
 from tandem.models.decoder import DecoderForCausalLM
+from tandem.models.presets import preset_config
 from tandem.models.registry import get_decoder_spec
 
 

@@ -17,8 +17,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.engine.async_llm import AsyncLLM, EngineUnavailable
-from tandem.weights.communicator import SERVER_RANK, TRAINER_RANK
 from tandem.serve.errors import APIError
+from tandem.weights.communicator import SERVER_RANK, TRAINER_RANK
 from tandem.weights.receiver import CommunicatorFailed, TensorSpec
 
 
