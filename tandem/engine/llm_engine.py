@@ -226,29 +226,40 @@ class LLMEngine:
         if self._in_flight is not None and self._in_flight[1].reads_history:
             self.drain()  # penalties count every output token: no placeholders in the next batch
         sched = self.scheduler.schedule()
-        if sched.is_empty and self._in_flight is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError(
-                    "the KV cache cannot hold even one waiting sequence; lower max_model_len or "
-                    "raise gpu_memory_utilization"
-                )
+        if sched.is_empty:
+            if self._in_flight is None:
+                self._check_progress()
+            self.drain()
             return self._take_drained()
-        launched = None
-        if not sched.is_empty:
-            prev = self._in_flight[1].token_ids if self._in_flight is not None else None
-            sampled = self.worker.execute_model(sched, prev)
-            launched = (sched, None if sampled is None else
-                        AsyncSamplerOutput(sampled, self.worker.model_runner.sampling_reads_history))
-        self.drain()  # the previous step's tokens: read while the device runs this one
-        if launched is not None:
-            self.scheduler.update_from_output(sched)
-            self._in_flight = launched if launched[1] is not None else None
-            if not self.async_scheduling:
-                self.drain()
-            stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
-            stats[0] += 1
-            stats[1] += time.perf_counter() - t0
+        sampled = self._launch(sched)  # the device starts on this step...
+        self.drain()  # ...while the host takes in the previous one's tokens
+        self._book(sched, sampled, t0)
         return self._take_drained()
+
+    def _check_progress(self) -> None:
+        if self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError(
+                "the KV cache cannot hold even one waiting sequence; lower max_model_len or "
+                "raise gpu_memory_utilization"
+            )
+
+    def _launch(self, sched: SchedulerOutput) -> AsyncSamplerOutput | None:
+        """Run the step on the device, its inputs' placeholders read from the in-flight step."""
+        prev = self._in_flight[1].token_ids if self._in_flight is not None else None
+        sampled = self.worker.execute_model(sched, prev)
+        if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
+            return None
+        return AsyncSamplerOutput(sampled, self.worker.model_runner.sampling_reads_history)
+
+    def _book(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, t0: float) -> None:
+        """The launched step becomes the in-flight one (read back at once without async scheduling)."""
+        self.scheduler.update_from_output(sched)
+        self._in_flight = (sched, sampled) if sampled is not None else None
+        if not self.async_scheduling:
+            self.drain()
+        stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
+        stats[0] += 1
+        stats[1] += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Read back the in-flight step (if any) now; its outputs come with the next `step()`."""
