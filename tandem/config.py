@@ -32,7 +32,6 @@ class EngineConfig:
     sleep_mode_backend: str = "auto"  # auto | cumem (stable addresses) | recapture (realloc + graphs)
     num_gpu_blocks_override: int | None = None
     cpu_kv_cache_space_gib: float = 4.0  # KV cache size when running on a CPU (vLLM's default)
-    max_seq_len_to_capture: int = 8192
     # Steps of up to this many tokens (prefill chunks and decode rows mixed) replay CUDA graphs,
     # one per size of a token ladder; larger steps run eagerly. Decode steps have their own
     # graphs up to max_num_seqs. 0 captures decode graphs only.

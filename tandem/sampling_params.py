@@ -72,8 +72,8 @@ class SamplingParams:
             )
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None:
+            raise ValueError(f"prompt_logprobs is not implemented; leave it None, got {self.prompt_logprobs}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not -2.0 <= self.presence_penalty <= 2.0:

@@ -121,12 +121,12 @@ def measure(trainer_model, backend: str, cfg: ColocationConfig) -> dict:
         "sleep1_plus_wake_after_turn_s_median": statistics.median(sleep1_turn),
         "greedy_identical_after_wake": identical,
         **{k + "_median": statistics.median(v) for k, v in parts.items()},
-        "cudagraph_capture_s": llm.llm_engine.cudagraph_capture_s,
+        "cudagraph_capture_s": llm.llm_engine.worker.cudagraph_capture_s,
         "samples": {"freed_share": freed_share, "wake_plus_update_s": wake_update,
                     "wake_plus_update_back_to_back_s": back_to_back, "sleep1_plus_wake_s": sleep1_wake,
                     "sleep1_plus_wake_after_turn_s": sleep1_turn},
     }
-    llm.llm_engine.model_runner.graph_runner = None  # let the caller's gc free the engine now
+    llm.llm_engine.worker.model_runner.graph_runner = None  # let the caller's gc free the engine now
     return result
 
 

@@ -130,7 +130,7 @@ def _ceiling_ms(engine, batch: int, context_per_seq: float) -> float | None:
     from tandem.bench.roofline import ModelShape, decode_step_seconds
 
     try:
-        dtype_bytes = torch.empty((), dtype=engine.dtype).element_size()
+        dtype_bytes = torch.empty((), dtype=engine.worker.dtype).element_size()
         shape = ModelShape.from_hf_config(engine.hf_config, dtype_bytes)
         return 1e3 * decode_step_seconds(shape, batch, int(batch * context_per_seq))
     except (AttributeError, TypeError):

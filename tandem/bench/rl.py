@@ -11,88 +11,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-from tandem.bench.synthetic_tokenizer import ids_to_text, synthetic_tokenizer
-
-
-@dataclass
-class RLBenchConfig:
-    model: str = "qwen2.5-1.5b"
-    num_prompts: int = 32
-    num_generations: int = 8
-    prompt_len: int = 128
-    completion_len: int = 256
-    micro_batch: int = 32
-    steps: int = 4  # timed steps after one warm-up step
-    compare: str = ""  # "trl", or "colocate,server" (rl_modes.py)
-    device: str = "cuda"  # colocate,server only: "cpu" runs both modes on gloo ranks and a CPU server
-    fsdp: bool = False  # colocate mode: the ranks shard with FSDP2 instead of keeping replicas
-    gpu_memory_utilization: float = 0.35
-    server_gpu_memory_utilization: float = 0.9  # server mode: the server has its GPU to itself
-    server_timeout_s: float = 600.0  # for `tandem serve` to load and listen
-    cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
-    sleep_level: int = 2  # GRPOConfig.engine_sleep_level: the trainer brings the weights back
-    gradient_checkpointing: bool = True
-    seed: int = 0
-    output: str | None = None
-
-
-def even_token_reward(completions, **kwargs):
-    """A cheap, deterministic reward: share of completion tokens with an even id."""
-    out = []
-    for c in completions:
-        words = (c if isinstance(c, str) else c[-1]["content"]).split()
-        out.append(sum(int(w[1:]) % 2 == 0 for w in words if w[1:].isdigit()) / max(1, len(words)))
-    return out
-
-
-def _hf_config(cfg: RLBenchConfig):
-    """The architecture: a preset name or a local HF model dir (its weights are not used)."""
-    from tandem.models.presets import preset_config
-
-    hf_config = preset_config(cfg.model)
-    if hf_config is None and os.path.isfile(os.path.join(cfg.model, "config.json")):
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(cfg.model)  # its architecture; weights stay random
-    if hf_config is None:
-        raise ValueError(f"model must be an architecture preset name or an HF model dir, got {cfg.model!r}")
-    return hf_config
-
-
-def _model_and_data(cfg: RLBenchConfig):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from tandem.models.loader import init_dummy_weights
-
-    hf_config = _hf_config(cfg)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    init_dummy_weights(model, cfg.seed)
-    tok = synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id)
-    rng = random.Random(cfg.seed)
-    n = cfg.num_prompts * (cfg.steps + 2)
-    low, high = min(100, hf_config.vocab_size // 4), min(30000, hf_config.vocab_size - 1)
-    prompts = [ids_to_text([rng.randint(low, high) for _ in range(cfg.prompt_len)]) for _ in range(n)]
-    return model, tok, Dataset.from_dict({"prompt": prompts})
-
-
-def _batching(cfg: RLBenchConfig) -> dict:
-    per_step = cfg.num_prompts * cfg.num_generations
-    return {
-        "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
-        "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
-        "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
-        "seed": cfg.seed, "gradient_checkpointing": cfg.gradient_checkpointing, "max_steps": cfg.steps + 1,
-        "logging_steps": 1,
-    }
+from tandem.bench.rl_workload import RLBenchConfig, batching, even_token_reward, model_and_data
 
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
@@ -100,11 +25,11 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     from tandem.rl import GRPOConfig, GRPOTrainer
     from tandem.rl.trainer import PHASES
 
-    model, tok, data = _model_and_data(cfg)
+    model, tok, data = model_and_data(cfg)
     args = GRPOConfig(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
                       max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
                       engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
-                      **_batching(cfg))
+                      **batching(cfg))
     trainer = GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
                           engine_kwargs={"max_num_seqs": 256})
     trainer.step()  # warm-up
@@ -135,8 +60,8 @@ def run_trl(cfg: RLBenchConfig) -> dict:
 
     from tandem.bench.gpu_monitor import GpuMonitor
 
-    model, tok, data = _model_and_data(cfg)
-    kwargs = _batching(cfg)
+    model, tok, data = model_and_data(cfg)
+    kwargs = batching(cfg)
     args = TRLConfig(output_dir="/tmp/trl-bench-rl", report_to="none", save_strategy="no", use_vllm=False,
                      disable_dropout=True, **kwargs)
     walls: list[float] = []

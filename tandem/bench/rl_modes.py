@@ -154,12 +154,12 @@ class _server:
         self.key = secrets.token_hex(16)
 
     def __enter__(self) -> tuple[str, str]:
-        from tandem.bench.rl import _hf_config
+        from tandem.bench.rl_workload import hf_config_of
         from tandem.bench.synthetic_tokenizer import synthetic_tokenizer
 
         cfg = self.cfg
         tok_dir = Path(self.work) / "tokenizer"  # the trainer's tokenizer, so texts agree
-        hf_config = _hf_config(cfg)
+        hf_config = hf_config_of(cfg)
         synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id).save_pretrained(tok_dir)
         cmd = [sys.executable, "-m", "tandem.cli", "serve", cfg.model, "--port", "0", "--api-key", self.key,
                "--enable-admin-api", "--load-format", "dummy", "--tokenizer", str(tok_dir),
@@ -211,11 +211,12 @@ class _server:
 
 
 def _trainer(cfg, world_size: int, **overrides):
-    from tandem.bench.rl import _batching, _model_and_data, even_token_reward
+    from tandem.bench.rl_workload import batching as workload_batching
+    from tandem.bench.rl_workload import even_token_reward, model_and_data
     from tandem.rl import GRPOConfig, GRPOTrainer
 
-    model, tok, data = _model_and_data(cfg)
-    batching = _batching(cfg)
+    model, tok, data = model_and_data(cfg)
+    batching = workload_batching(cfg)
     batching["gradient_accumulation_steps"] //= world_size  # each rank: its share of the global batch
     batching["bf16"] = cfg.device == "cuda"
     args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="tandem-bench-rl-run-"), report_to="none",

@@ -204,9 +204,9 @@ def run_tandem(
     fig.update(
         kv_cache_blocks=eng.num_blocks,
         preemptions=eng.scheduler.num_preemptions,
-        cudagraph_capture_s=eng.cudagraph_capture_s,
-        kernel_warmup_s=eng.kernel_warmup_s,
-        attention_backend=eng.attention_backend,
+        cudagraph_capture_s=eng.worker.cudagraph_capture_s,
+        kernel_warmup_s=eng.worker.kernel_warmup_s,
+        attention_backend=eng.worker.attention_backend,
     )
     return fig, llm
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.forward_context import AttentionMetadata, set_attention_metadata
+from tandem.forward_context import AttentionMetadata, set_attention_metadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:

@@ -8,10 +8,10 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
+from tandem.engine.executor import start_workers
 from tandem.engine.gc_pause import frozen_heap
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.outputs import RequestOutput
-from tandem.parallel.workers import start_workers
 from tandem.sampling_params import SamplingParams
 
 
@@ -31,7 +31,7 @@ class LLM:
         self.tp_workers, hf_model = start_workers(self.config, hf_model, tok_obj)
         self.llm_engine = LLMEngine(self.config, model=hf_model, tokenizer=tok_obj)
         if self.tp_workers is not None:
-            self.tp_workers.attach(self.llm_engine.model_runner)
+            self.tp_workers.attach(self.llm_engine.worker.model_runner)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -57,7 +57,7 @@ class LLM:
         if self.tp_workers is not None:  # tensor parallel: spawned ranks make the same call
             self.tp_workers.mirror("generate", prompts, params)
         engine = self.llm_engine
-        engine._check_awake()
+        engine.worker.check_awake()
         # Check everything before queueing anything, so bad input leaves the engine untouched.
         tokenized = []
         for p, sp in zip(prompts, params):

@@ -4,92 +4,46 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.async_output import AsyncSamplerOutput
 from tandem.engine.block_manager import BlockManager
-from tandem.engine.colocation import ColocationMixin
-from tandem.engine.cumem import vmm_available
-from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
-from tandem.engine.sequence import Sequence, SequenceStatus
-from tandem.engine.sleep_mode import WeightStore
-from tandem.engine.stop_checker import check_stop, find_stop_string
-from tandem.models.loader import (
-    ModelSource,
-    build_model,
-    check_all_loaded,
-    init_dummy_weights,
-    load_weights,
-    resolve_model,
-)
-from tandem.outputs import CompletionOutput, Logprob, RequestOutput
-from tandem.parallel.tensor_parallel import init_tensor_parallel
+from tandem.engine.sequence import Sequence
+from tandem.engine.worker import Worker
+from tandem.models.loader import ModelSource, resolve_model
+from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
 
 
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    output_kind: str  # "cumulative" | "delta" | "final_only"
-    seqs: list[Sequence] = field(default_factory=list)
-    detokenizers: list[IncrementalDetokenizer] | None = None
-    sent_tokens: list[int] = field(default_factory=list)  # per sample, for delta outputs
-    sent_chars: list[int] = field(default_factory=list)
+class LLMEngine:
+    """The engine loop of docs/architecture.md: add_request -> step (schedule, run, postprocess) -> outputs.
 
-    @property
-    def finished(self) -> bool:
-        for s in self.seqs:  # a plain loop: this runs for every streamed output
-            if s.status is not SequenceStatus.FINISHED:
-                return False
-        return True
-
-
-class LLMEngine(ColocationMixin):
-    """The engine loop of DESIGN.md: add_request -> step (schedule, run, postprocess) -> outputs."""
+    The worker owns the device (model, weights, KV cache, graphs, sleep/wake); the engine owns
+    the requests: scheduling, the in-flight step, output processing.
+    """
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
         self.config = config
         source = resolve_model(model if model is not None else config.model, config.load_format,
                                config.trust_remote_code)
         self.hf_config = source.hf_config
-        self.device = resolve_device(config.device, source.hf_model)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device, source.hf_model)
         self.max_model_len = self._resolve_max_model_len()
         config.check_model_len(self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(source)
-        self.model = build_model(self.hf_config, self.max_model_len, self.dtype, self.device)
-        self.tp_group = init_tensor_parallel(self.model, config, self.device)  # None unless TP > 1
-        self._load_initial_weights(source)
-        self.use_cumem = self._use_cumem()
-        self.weight_store = WeightStore(self.model, self.device, self.use_cumem)
-        self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
-        self.attention_backend = self.model_runner.set_attention_backend(config.attention_backend)
-        self.num_blocks = determine_num_blocks(self, config)
-        if self.tp_group is not None:  # tensor parallel: ranks schedule alike, smallest cache wins
-            self.num_blocks = self.tp_group.agree_min(self.num_blocks)
-        self.model_runner.allocate_kv_cache(self.num_blocks, self.use_cumem)
-        self.cudagraph_capture_s = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.attention_backend == "triton":
-            self.cudagraph_capture_s = self.model_runner.capture_cudagraphs(self.max_model_len)
-        self.kernel_warmup_s = None
-        if self.device.type == "cuda" and self.attention_backend == "triton":
-            self.kernel_warmup_s = self.model_runner.warmup_kernels(self.max_model_len)
+        self.worker = Worker(config, source, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        graphs = self.model_runner.graph_runner is not None  # without them no step is cheaper
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            config.enable_chunked_prefill, config.max_admission_delay_steps if graphs else 0,
+            config.enable_chunked_prefill,
+            # without graphs no step is cheaper than another: holding prompts back gains nothing
+            config.max_admission_delay_steps if self.worker.has_graphs else 0,
         )
         # vLLM's async scheduling: on by default where a device runs asynchronously to the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -97,28 +51,46 @@ class LLMEngine(ColocationMixin):
         # the launched step whose sampled tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
         self._drained: list[RequestOutput] = []
-        self.eos_token_ids = self._eos_token_ids()
-        self.model_runner.eos_token_ids = self.eos_token_ids
-        self.requests: dict[str, RequestState] = {}
+        self.eos_token_ids = frozenset(self._eos_token_ids())
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
-        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
         # host seconds spent waiting for the device to finish a step (the rest of a step's host
         # time is the host's own work: when it is most of it, the host is the bottleneck)
         self.device_wait_s = 0.0
 
-    # -- setup ---------------------------------------------------------------------------------------
-    def _use_cumem(self) -> bool:
-        cfg = self.config
-        if not cfg.enable_sleep_mode or self.device.type != "cuda" or cfg.sleep_mode_backend == "recapture":
-            return False
-        if not vmm_available():
-            if cfg.sleep_mode_backend == "cumem":
-                raise ValueError("sleep_mode_backend='cumem' needs cuda.bindings (pip install cuda-python)")
-            return False
-        return True
+    # -- the worker's state, as callers read it ------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.worker.model
 
+    @property
+    def device(self) -> torch.device:
+        return self.worker.device
+
+    @property
+    def num_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    @property
+    def weights_version(self) -> int:
+        return self.worker.weights_version
+
+    @property
+    def weights_valid(self) -> bool:
+        return self.worker.weights_valid
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.worker.sleep_level > 0
+
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """The unfinished requests, by id."""
+        return self.output_processor.requests
+
+    # -- setup ---------------------------------------------------------------------------------------
     def _resolve_max_model_len(self) -> int:
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if self.config.max_model_len is None:
@@ -138,13 +110,9 @@ class LLMEngine(ColocationMixin):
 
         return AutoTokenizer.from_pretrained(path, trust_remote_code=self.config.trust_remote_code)
 
-    def _load_initial_weights(self, source: ModelSource) -> None:
-        if self.config.load_format == "dummy":
-            init_dummy_weights(self.model, self.config.seed)
-            return
-        check_all_loaded(self.model, load_weights(self.model, source.weights()))
-
     def _eos_token_ids(self) -> set[int]:
+        """The model's end-of-sequence ids (generation config, else model config, else tokenizer):
+        the one place they are worked out; each Sequence folds them into its stop set."""
         ids: set[int] = set()
         gen_cfg = None
         path = getattr(self.hf_config, "_name_or_path", None)
@@ -210,8 +178,8 @@ class LLMEngine(ColocationMixin):
         output_kind: str = "cumulative",
     ) -> str:
         """Queue a request; raises ValueError (engine state untouched) on bad input."""
-        self._check_awake()
-        if output_kind not in ("cumulative", "delta", "final_only"):
+        self.worker.check_awake()
+        if output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind must be cumulative, delta or final_only, got {output_kind!r}")
         text, ids = self.tokenize_prompt(prompt)
         self.validate_request(ids, params)
@@ -221,20 +189,11 @@ class LLMEngine(ColocationMixin):
             raise ValueError(f"request_id {request_id!r} is already in use")
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
-        eos = frozenset(self.eos_token_ids)
         for i in range(params.n):
-            seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, eos)
+            seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, self.eos_token_ids)
             leader = leader or seq
             state.seqs.append(seq)
-        if output_kind != "final_only" or params.stop_strings:
-            if params.detokenize and self.tokenizer is not None:
-                state.detokenizers = [
-                    IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                    for _ in state.seqs
-                ]
-        state.sent_tokens = [0] * params.n
-        state.sent_chars = [0] * params.n
-        self.requests[request_id] = state
+        self.output_processor.add_request(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
         return request_id
@@ -267,29 +226,40 @@ class LLMEngine(ColocationMixin):
         if self._in_flight is not None and self._in_flight[1].reads_history:
             self.drain()  # penalties count every output token: no placeholders in the next batch
         sched = self.scheduler.schedule()
-        if sched.is_empty and self._in_flight is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError(
-                    "the KV cache cannot hold even one waiting sequence; lower max_model_len or "
-                    "raise gpu_memory_utilization"
-                )
+        if sched.is_empty:
+            if self._in_flight is None:
+                self._check_progress()
+            self.drain()
             return self._take_drained()
-        launched = None
-        if not sched.is_empty:
-            prev = self._in_flight[1].token_ids if self._in_flight is not None else None
-            sampled = self.model_runner.run(sched, prev)
-            launched = (sched, None if sampled is None else
-                        AsyncSamplerOutput(sampled, self.model_runner.sampling_reads_history))
-        self.drain()  # the previous step's tokens: read while the device runs this one
-        if launched is not None:
-            self.scheduler.update_from_output(sched)
-            self._in_flight = launched if launched[1] is not None else None
-            if not self.async_scheduling:
-                self.drain()
-            stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
-            stats[0] += 1
-            stats[1] += time.perf_counter() - t0
+        sampled = self._launch(sched)  # the device starts on this step...
+        self.drain()  # ...while the host takes in the previous one's tokens
+        self._book(sched, sampled, t0)
         return self._take_drained()
+
+    def _check_progress(self) -> None:
+        if self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError(
+                "the KV cache cannot hold even one waiting sequence; lower max_model_len or "
+                "raise gpu_memory_utilization"
+            )
+
+    def _launch(self, sched: SchedulerOutput) -> AsyncSamplerOutput | None:
+        """Run the step on the device, its inputs' placeholders read from the in-flight step."""
+        prev = self._in_flight[1].token_ids if self._in_flight is not None else None
+        sampled = self.worker.execute_model(sched, prev)
+        if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
+            return None
+        return AsyncSamplerOutput(sampled, self.worker.model_runner.sampling_reads_history)
+
+    def _book(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, t0: float) -> None:
+        """The launched step becomes the in-flight one (read back at once without async scheduling)."""
+        self.scheduler.update_from_output(sched)
+        self._in_flight = (sched, sampled) if sampled is not None else None
+        if not self.async_scheduling:
+            self.drain()
+        stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
+        stats[0] += 1
+        stats[1] += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Read back the in-flight step (if any) now; its outputs come with the next `step()`."""
@@ -298,16 +268,17 @@ class LLMEngine(ColocationMixin):
         touched: dict[str, RequestState] = {}
         self._postprocess(*self._in_flight, touched)
         self._in_flight = None
-        self._drained += [out for st in touched.values() if (out := self._make_output(st)) is not None]
+        self._drained += [out for st in touched.values() if (out := self.output_processor.make_output(st)) is not None]
 
     def _take_drained(self) -> list[RequestOutput]:
         out, self._drained = self._drained, []
         return out
 
     def _postprocess(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput, touched: dict[str, RequestState]) -> None:
+        """Take the step's sampled tokens into their sequences; finish the ones that stopped."""
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
         self.device_wait_s += sampled.wait_s
-        interval = self.config.stream_interval
+        outputs = self.output_processor
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if not smp:
@@ -315,130 +286,16 @@ class LLMEngine(ColocationMixin):
             row += 1
             if not seq.has_placeholder:
                 continue  # finished or aborted meanwhile: this row was computed for nothing
-            tok, lp = token_ids[row], logprobs[row]
-            seq.fill_placeholder(tok, lp)
-            k = seq.sampling_params.logprobs
-            if k is not None:
-                seq.output_ranks.append(ranks[row])
-                if k and topk_ids is not None:
-                    seq.top_logprobs.append(
-                        {t: (lp_t, r + 1) for r, (t, lp_t) in enumerate(zip(topk_ids[row][:k], topk_lps[row][:k]))})
+            seq.fill_placeholder(token_ids[row], logprobs[row])
+            if seq.sampling_params.logprobs is not None:
+                outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
-            self._check_finished(state, seq)
-            # final_only requests produce an output only when a sample finishes; streamed ones
-            # on their first token (time to first token is not held back), then every
-            # stream_interval tokens, as vLLM's
-            if seq.is_finished or (state.output_kind != "final_only" and (
-                    seq.num_output_tokens - state.sent_tokens[seq.index] >= interval
-                    or state.sent_tokens[seq.index] == 0)):
+            stop = outputs.check_stop(state, seq)
+            if stop is not None:
+                self.scheduler.finish(seq, stop[0], stop[1])
+            if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
-
-    def _check_finished(self, state: RequestState, seq: Sequence) -> None:
-        stop = check_stop(seq)
-        if state.detokenizers is not None and seq.sampling_params.stop_strings:
-            # stop strings are matched as the text grows: detokenize every token
-            det = state.detokenizers[seq.index]
-            delta = det.add(seq.last_token_id)
-            if stop is None and delta:
-                hit = find_stop_string(det.text, len(delta), seq.sampling_params.stop_strings)
-                if hit is not None:
-                    stop_str, idx = hit
-                    end = idx + len(stop_str) if seq.sampling_params.include_stop_str_in_output else idx
-                    det.text = det.text[:end]
-                    stop = ("stop", stop_str)
-            elif stop is not None:
-                det.flush()
-            seq.output_text = det.text
-        if stop is not None:
-            self.scheduler.finish(seq, stop[0], stop[1])
-
-    @staticmethod
-    def _catch_up_text(state: RequestState, seq: Sequence) -> None:
-        """Without stop strings a sample's text is only needed when it is emitted: detokenize the
-        tokens since the last emission now, in one go (and flush at the end)."""
-        det = state.detokenizers[seq.index]
-        if not seq.sampling_params.stop_strings:
-            det.add_many(seq.token_ids[seq.num_prompt_tokens + det.num_added :])
-            if seq.is_finished:
-                det.flush()
-            seq.output_text = det.text
-
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
-        finished = state.finished
-        if state.output_kind == "final_only" and not finished:
-            return None
-        outputs = []
-        for seq in state.seqs:
-            i = seq.index
-            start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
-            if state.detokenizers is not None:
-                self._catch_up_text(state, seq)
-                text = seq.output_text
-            else:
-                text = self._decode_final(seq)
-            if not seq.is_finished and seq.sampling_params.stop_strings:
-                # hold back what could still become the start of a stop string
-                text = text[: max(0, len(text) - max(map(len, seq.sampling_params.stop_strings)) + 1)]
-            start_chr = state.sent_chars[i] if state.output_kind == "delta" else 0
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=text[start_chr:],
-                    token_ids=seq.token_ids[seq.num_prompt_tokens + start_tok :],
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=self._logprobs(seq, start_tok),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-            state.sent_tokens[i] = seq.num_output_tokens
-            state.sent_chars[i] = len(text)
-        if finished:
-            self.requests.pop(state.request_id, None)
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outputs,
-            finished=finished,
-            num_cached_tokens=state.seqs[0].num_cached_tokens,
-            metrics={"arrival_time": state.seqs[0].arrival_time,
-                     "first_token_time": min((s.first_token_time for s in state.seqs if s.first_token_time),
-                                             default=None)},
-        )
-
-    def _decode_final(self, seq: Sequence) -> str:
-        if not seq.is_finished or self.tokenizer is None or not seq.sampling_params.detokenize:
-            return ""
-        return self.tokenizer.decode(
-            seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
-        )
-
-    def _logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]] | None:
-        if seq.sampling_params.logprobs is None:
-            return None
-        text = self._token_text
-        out = []
-        tops = seq.top_logprobs
-        ids, p = seq.token_ids, seq.num_prompt_tokens
-        for i in range(start, len(seq.output_ranks)):
-            t = ids[p + i]
-            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text(t))}
-            if tops:
-                for t_k, (lp_k, rank_k) in tops[i].items():
-                    if t_k not in entry:
-                        entry[t_k] = Logprob(lp_k, rank_k, text(t_k))
-            out.append(entry)
-        return out
-
-    def _token_text(self, token_id: int) -> str | None:
-        """`decode([token_id])`, cached: the vocabulary bounds the cache, and a token's text is
-        looked up once per vocabulary entry instead of once per sampled token."""
-        text = self._token_texts.get(token_id)
-        if text is None and self.tokenizer is not None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
     # -- introspection -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -446,3 +303,44 @@ class LLMEngine(ColocationMixin):
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
+
+    # -- sleep, wake and weight updates: what lets the engine share a GPU with a trainer ---------
+    def sleep(self, level: int = 1) -> dict:
+        """Level 1: weights to pinned host memory, KV cache freed. Level 2: both freed."""
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep() needs the engine built with enable_sleep_mode=True")
+        if self.is_sleeping:
+            return {"already_sleeping": True}
+        if self.has_unfinished_requests():
+            raise ValueError(f"cannot sleep with {len(self.requests)} requests in flight; abort them first")
+        self.drain()  # nothing may still be running on the memory about to go
+        return self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict:
+        """Bring back the weights and/or the KV cache; the prefix cache starts empty."""
+        return self.worker.wake_up(tags, on_kv_cache=self.block_manager.reset_prefix_cache)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the engine in place (merging q/k/v and gate/up).
+
+        Works while asleep: the weights are woken first. Returns how many tensors were loaded.
+        """
+        n = self.worker.load_weights(weights)
+        self.block_manager.reset_prefix_cache()  # cached KV came from the old weights
+        return n
+
+    def update_weights_from_model(self, model: torch.nn.Module) -> int:
+        """Copy a trainer's HF model into the engine, device to device, never through disk."""
+        def tensors():
+            for name, t in model.state_dict().items():
+                if hasattr(t, "full_tensor"):  # FSDP2 / DTensor shards: gather this one tensor
+                    t = t.full_tensor()
+                yield name, t.detach()
+
+        return self.load_weights(tensors())
+
+    def memory_report(self) -> dict:
+        """Where the engine's memory is: weights, KV cache, CUDA graphs, other, and what is free."""
+        return self.worker.memory_report()

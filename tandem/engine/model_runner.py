@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.engine.scheduler import SchedulerOutput
-from tandem.engine.sequence import PLACEHOLDER_TOKEN_ID, Sequence
+from tandem.engine.sequence import Sequence
+from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention
 from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
 
@@ -33,7 +33,6 @@ class ModelRunner:
         self._block_table_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
-        self.eos_token_ids: set[int] = set()  # set by the engine; masked before min_tokens
         # whether the last step's sampling read the sequences' output tokens (penalties)
         self.sampling_reads_history = False
 
@@ -108,15 +107,20 @@ class ModelRunner:
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         T = int(qsl[-1])
-        decode_only = T == B
+        decode_only = sched.is_decode_only
+        # sequences whose chunk reaches their placeholder: that last input is filled on the device
+        pending_seqs = [i for i, (s, a, k) in enumerate(zip(seqs, starts.tolist(), sched.num_new_tokens))
+                        if s.num_placeholders and a + k > len(s.token_ids)]
         if decode_only:
+            # (a pending row reads a stale id here, overwritten on the device below)
             input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, B)
             positions = starts
             seq_index = np.arange(B)
         else:
-            input_ids = np.fromiter(
-                (t for s, a, k in zip(seqs, starts.tolist(), sched.num_new_tokens) for t in s.token_ids[a : a + k]),
-                np.int64, T)
+            input_ids = np.zeros(T, dtype=np.int64)
+            for s, a, k, q in zip(seqs, starts.tolist(), sched.num_new_tokens, qsl.tolist()):
+                known = s.token_ids[a : a + k]  # one short when the chunk ends at a placeholder
+                input_ids[q : q + len(known)] = known
             seq_index = np.repeat(np.arange(B), n)
             positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
         tables = self._block_tables(seqs)
@@ -124,11 +128,11 @@ class ModelRunner:
         slots = tables[seq_index, positions // bs] * bs + positions % bs
         seq_lens = starts + n
         parts = [input_ids, positions, slots, qsl, seq_lens, tables.ravel()]
-        pending = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)
-        if len(pending):
+        pending = qsl[1:][pending_seqs] - 1  # flat index of each placeholder input
+        if pending_seqs:
             if prev_token_ids is None:
                 raise RuntimeError("placeholder inputs but no in-flight step to read them from")
-            rows = np.fromiter((seqs[i].pending_row for i in seq_index[pending].tolist()), np.int64, len(pending))
+            rows = np.fromiter((seqs[i].pending_row for i in pending_seqs), np.int64, len(pending_seqs))
             parts += [pending, rows]
         # Every part starts 16-byte aligned (an even number of int64s): kernels reading a part
         # in place (positions, slot mapping) are specialized on pointer alignment by Triton, and
@@ -235,9 +239,8 @@ class ModelRunner:
             m.generators[row] = seq.generator
         rows, cols = [], []
         for row, seq in enumerate(seqs):
-            p = seq.sampling_params
-            if seq.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if seq.num_output_tokens < seq.sampling_params.min_tokens:
+                banned = seq.stop_ids  # EOS (unless ignore_eos) and stop_token_ids
                 rows.extend([row] * len(banned))
                 cols.extend(banned)
         if rows:

@@ -22,7 +22,7 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_new: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
-        self.sampling.append(seq.num_computed_tokens + num_new == len(seq.token_ids))
+        self.sampling.append(seq.num_computed_tokens + num_new == seq.num_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -86,7 +86,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_tokens = len(seq.token_ids)
+            num_tokens = seq.num_tokens
             if num_tokens >= seq.max_num_tokens:
                 i += 1  # its in-flight token (async scheduling) is its last: nothing more to run
                 continue

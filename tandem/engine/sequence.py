@@ -8,11 +8,6 @@ import time
 
 from tandem.sampling_params import SamplingParams
 
-# Stands for a token the device has sampled but the host has not read yet (async scheduling): the
-# next step is scheduled and launched before the previous step's tokens come back, and reads the
-# real id from the device. Never a valid token id.
-PLACEHOLDER_TOKEN_ID = -1
-
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
@@ -25,6 +20,11 @@ class Sequence:
 
     `num_computed_tokens` counts tokens whose KV is in the cache; the tokens after it are what the
     next step must run. A decode step runs one token (the last sampled), a prefill chunk many.
+
+    With async scheduling a step is launched before the previous step's tokens are back: the
+    token being sampled counts in `num_tokens` as a placeholder (vLLM's
+    `num_output_placeholders`), never in `token_ids`, which holds real ids only. The next step
+    reads its id on the device, from row `pending_row` of the in-flight step's output.
     """
 
     _counter = itertools.count()
@@ -64,11 +64,11 @@ class Sequence:
         # hot loop allocates nothing the cyclic collector has to walk.
         self.output_ranks: list[int] = []
         self.top_logprobs: list[dict[int, tuple[float, int]]] = []
-        self.prompt_logprobs: list[dict[int, float] | None] = []
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.output_text = ""
         self.generator = None  # torch.Generator for a seeded request, made on first sample
+        self.num_placeholders = 0  # tokens sampled by the in-flight step, not read back yet
         self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
         # Limits checked every step, computed once.
         limits = [max_model_len] if max_model_len is not None else []
@@ -79,15 +79,16 @@ class Sequence:
         self.stop_ids = self.eos_ids | frozenset(sampling_params.stop_token_ids)  # tokens that end it
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return self.num_tokens
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens so far, the one being sampled by the in-flight step included."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -111,20 +112,20 @@ class Sequence:
 
     @property
     def has_placeholder(self) -> bool:
-        return self.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+        return self.num_placeholders > 0
 
     def append_placeholder(self, row: int) -> None:
         """Count a token the in-flight step is sampling (row `row` of its output) as generated."""
-        self.token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self.num_placeholders += 1
         self.pending_row = row
 
     def drop_placeholder(self) -> None:
-        if self.has_placeholder:
-            self.token_ids.pop()
+        self.num_placeholders = 0
 
     def fill_placeholder(self, token_id: int, logprob: float) -> None:
         """Record the sampled id of the token counted as a placeholder when its step launched."""
-        self.token_ids[-1] = token_id
+        self.token_ids.append(token_id)
+        self.num_placeholders -= 1
         self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob
         if self.first_token_time is None:

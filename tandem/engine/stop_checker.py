@@ -15,7 +15,7 @@ def check_stop(seq: Sequence) -> tuple[str, int | None] | None:
     token = seq.token_ids[-1]
     if token in seq.stop_ids and seq.num_output_tokens >= seq.sampling_params.min_tokens:
         return "stop", (None if token in seq.eos_ids else token)
-    if len(seq.token_ids) >= seq.max_num_tokens:
+    if seq.num_tokens >= seq.max_num_tokens:
         return "length", None
     return None
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers.activation import silu_and_mul_ref  # noqa: F401 (the reference)
+from tandem.kernels.activation_ref import silu_and_mul_ref  # noqa: F401 (the reference)
 
 
 @triton.jit

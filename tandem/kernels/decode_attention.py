@@ -180,7 +180,7 @@ def default_num_splits(
 ) -> int:
     """Splits enough for about two programs per SM, each over at least 32 keys, at most 16.
 
-    Measured on an H200 (`bench_attention`, Qwen2.5-1.5B heads, bf16): with 256 programs one split
+    Measured on an H200 (`tandem.bench.kernels`, Qwen2.5-1.5B heads, bf16): with 256 programs one split
     is fastest at every context from 256 to 2048 keys (a second split only adds merge traffic);
     at 64 programs four splits win, at 16 programs eight.
     """

@@ -1,6 +1,6 @@
 """Triton RMSNorm, alone and fused with the residual add, beside their torch references.
 
-Semantics are those of `tandem.layers.norm.RMSNorm` (HF's): the residual add is rounded to the
+Semantics are those of `rmsnorm_ref` (HF's RMSNorm): the residual add is rounded to the
 activation dtype, the norm is computed in fp32 and cast back to that dtype, and only then
 multiplied by the weight (the product in the promoted dtype of weight and activation).
 """
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers.norm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: F401 (the references)
+from tandem.kernels.rmsnorm_ref import fused_add_rms_norm_ref, rms_norm_ref  # noqa: F401 (the references)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Triton rotary embedding (neox / HF `rotate_half` style), in place on q and k, with its reference.
 
-Rounded as `tandem.layers.rotary` computes it in torch: cos/sin are cast from the fp32 cache to
+Rounded as `rotary_ref` computes it in torch: cos/sin are cast from the fp32 cache to
 the activation dtype, and `q * cos`, `rotate_half(q) * sin` and their sum are each rounded to that
 dtype. One program per token rotates all its query and key heads, so a decode step of the whole
 batch is one launch with no host synchronisation (CUDA-graph capturable). The attention layers'
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.layers.rotary import apply_rotary_ref, rotate_half  # noqa: F401 (the reference)
+from tandem.kernels.rotary_ref import apply_rotary_ref, rotate_half  # noqa: F401 (the reference)
 
 
 @triton.jit

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from tandem.kernels.activation_ref import silu_and_mul_ref
 
 
 class SiluAndMul(nn.Module):

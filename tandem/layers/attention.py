@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.forward_context import AttentionMetadata, get_attention_metadata
+from tandem.forward_context import AttentionMetadata, get_attention_metadata
 from tandem.kernels.attention_ref import paged_attention_ref, store_kvcache_ref
 
 

@@ -5,19 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm: normalise in fp32, cast back to the activation dtype, then scale."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x + residual  # in the activation dtype, as HF's decoder layer adds
-    return rms_norm_ref(x, weight, eps), x
+from tandem.kernels.rmsnorm_ref import fused_add_rms_norm_ref, rms_norm_ref
 
 
 class RMSNorm(nn.Module):

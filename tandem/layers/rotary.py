@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.kernels.rotary_ref import apply_rotary_ref
+
 
 def rope_parameters(hf_config) -> dict:
     """The model's rope settings as one dict (transformers 5 `rope_parameters`, or 4.x fields)."""
@@ -33,26 +35,6 @@ def inverse_frequencies(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
         )
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_ref(
-    positions: torch.Tensor,
-    q_TNH: torch.Tensor,
-    k_TKH: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """New rotated (q, k), as HF's `apply_rotary_pos_emb`; cos/sin caches are [max_pos, H] fp32."""
-    cos = cos_cache[positions].to(q_TNH.dtype)[:, None, :]
-    sin = sin_cache[positions].to(q_TNH.dtype)[:, None, :]
-    q = q_TNH * cos + rotate_half(q_TNH) * sin
-    k = k_TKH * cos + rotate_half(k_TKH) * sin
-    return q, k
 
 
 class RotaryEmbedding(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.forward_context import AttentionMetadata
+from tandem.forward_context import AttentionMetadata
 from tandem.kernels.decode_attention import decode_attention
 from tandem.kernels.kv_cache import store_kvcache
 from tandem.kernels.prefill_attention import prefill_attention

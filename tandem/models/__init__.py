@@ -1,1 +1,2 @@
-"""Single-device model code (Llama, Qwen2, Qwen3) and loading from HF dirs, modules, GGUF, presets."""
+"""Single-device model code: one decoder configured by a spec per architecture (Llama, Mistral,
+Qwen2, Qwen3), and loading from HF dirs, modules, GGUF, presets."""

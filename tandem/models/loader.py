@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from tandem.models import gguf
+from tandem.models.decoder import DecoderForCausalLM
 from tandem.models.presets import preset_config
-from tandem.models.registry import get_model_class
+from tandem.models.registry import get_decoder_spec
 
 
 @dataclass
@@ -90,12 +91,12 @@ def iterate_checkpoint(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def build_model(hf_config, max_position: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    cls = get_model_class(hf_config)
+    spec = get_decoder_spec(hf_config)
     with torch.device(device):
         default = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(hf_config, max_position)
+            model = DecoderForCausalLM(hf_config, max_position, spec)
         finally:
             torch.set_default_dtype(default)
     return model.eval().requires_grad_(False)

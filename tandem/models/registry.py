@@ -1,33 +1,33 @@
-"""Maps a HF `architectures` name to tandem's model class."""
+"""Maps a HF architecture (or, without one, a `model_type`) to the decoder's spec."""
 
 from __future__ import annotations
 
-from torch import nn
+from tandem.models.decoder import DecoderSpec
 
-from tandem.models.llama import LlamaForCausalLM
-from tandem.models.qwen2 import Qwen2ForCausalLM
-from tandem.models.qwen3 import Qwen3ForCausalLM
+LLAMA = DecoderSpec()
+QWEN2 = DecoderSpec(qkv_bias=True, o_bias_follows_qkv=False)  # biases on q/k/v, never on o
+QWEN3 = DecoderSpec(qk_norm=True)
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # without sliding window, Mistral is Llama
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+ARCHITECTURES: dict[str, DecoderSpec] = {
+    "LlamaForCausalLM": LLAMA,
+    "MistralForCausalLM": LLAMA,  # without sliding window, Mistral is Llama
+    "Qwen2ForCausalLM": QWEN2,
+    "Qwen3ForCausalLM": QWEN3,
 }
+MODEL_TYPES: dict[str, DecoderSpec] = {"llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
-def get_model_class(hf_config) -> type[nn.Module]:
+def get_decoder_spec(hf_config) -> DecoderSpec:
     archs = getattr(hf_config, "architectures", None) or []
     for arch in archs:
-        if arch in MODEL_REGISTRY:
+        if arch in ARCHITECTURES:
             if arch == "MistralForCausalLM" and getattr(hf_config, "sliding_window", None):
                 raise ValueError("MistralForCausalLM with sliding_window is not supported")
-            return MODEL_REGISTRY[arch]
+            return ARCHITECTURES[arch]
     model_type = getattr(hf_config, "model_type", None)
-    by_type = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
-    if not archs and model_type in by_type:
-        return by_type[model_type]
+    if not archs and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
     raise ValueError(
         f"model architecture {archs or model_type!r} is not supported; "
-        f"supported architectures: {sorted(MODEL_REGISTRY)}"
+        f"supported architectures: {sorted(ARCHITECTURES)}"
     )

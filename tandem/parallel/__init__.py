@@ -1,7 +1,8 @@
 """Tensor parallelism, applied from outside the model code.
 
 `apply_tp` shards a model for one rank (`tensor_parallel`, `layers`), `groups` builds the process
-groups, `workers` spawns the other ranks when an LLM is used alone.
+groups. The engine's executor (`tandem.engine.executor`) spawns the other ranks when an LLM is
+used alone.
 """
 
 from tandem.parallel.groups import TPGroup, init_tp_group

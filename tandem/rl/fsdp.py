@@ -85,22 +85,6 @@ def _owned_parameter_names(unit: torch.nn.Module) -> list[str]:
     return [n for n, _ in unit.named_parameters() if not n.startswith(tuple(nested))]
 
 
-def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, slice]:
-    """This rank's dim-0 shard of an FSDP2 parameter and the rows of the full tensor it holds
-    (FSDP2 shards dim 0 as torch.chunk does). A plain tensor is all rows."""
-    if not isinstance(t, DTensor):
-        return t, slice(0, t.shape[0])
-    local = t.to_local()
-    n, world, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
-    chunk = -(-n // world)
-    start = min(rank * chunk, n)
-    rows = slice(start, min(start + chunk, n))
-    if local.shape[0] != rows.stop - rows.start:
-        raise RuntimeError(f"FSDP2 shard of {local.shape[0]} rows where {rows} was expected; "
-                           "the shard layout is not torch.chunk's")
-    return local, rows
-
-
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
     """torch's clip_grad_norm_, for sharded (DTensor) gradients too: the total norm is over the

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from tandem.rl.data import PromptBatch
 from tandem.rl.rollout import Rollout, generate_rollout
-from tandem.rl.weight_sync import WeightSync
 from tandem.sampling_params import SamplingParams
+from tandem.weights.sync import WeightSync
 
 
 class ColocatedGenerator:

@@ -24,7 +24,7 @@ from typing import Any, Literal, Self
 
 import torch
 
-from tandem.serve.communicator import (
+from tandem.weights.communicator import (
     TRAINER_RANK,
     Communicator,
     open_store,

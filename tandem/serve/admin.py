@@ -12,8 +12,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
-from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
-from tandem.serve.engine_core import EngineBusy, InvalidWeights
+from tandem.engine.async_llm import AsyncLLM, EngineUnavailable
+from tandem.engine.core import EngineBusy, InvalidWeights
 from tandem.serve.errors import APIError
 from tandem.serve.weight_receiver import InitCommunicatorRequest, NamedParam, WeightReceiver
 

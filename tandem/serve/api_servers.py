@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from tandem.config import EngineConfig
-from tandem.serve.core_client import EngineCoreConns, EngineCoreProc
-from tandem.serve.engine_core import EngineInfo
+from tandem.engine.core import EngineInfo
+from tandem.engine.core_client import EngineCoreConns, EngineCoreProc
 from tandem.serve.metrics_exchange import MetricsExchange
 from tandem.serve.server import print_listening
 
@@ -131,8 +131,8 @@ def run_api_server(
     index: int, sock: socket.socket, conns: EngineCoreConns, info: EngineInfo, args: APIServerArgs
 ) -> None:
     """One API server's process: the app over its pipes to the shared engine core."""
+    from tandem.engine.async_llm import AsyncLLM
     from tandem.serve.app import build_app
-    from tandem.serve.async_engine import AsyncLLM
     from tandem.serve.server import serve
 
     _stop_when_the_parent_dies(args.parent_pid)

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from tandem import __version__
-from tandem.serve.async_engine import AsyncLLM
+from tandem.engine.async_llm import AsyncLLM
 from tandem.serve.chat import OpenAIServingChat
 from tandem.serve.completions import OpenAIServingCompletion
 from tandem.serve.errors import APIError, install_error_handlers

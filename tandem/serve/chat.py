@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.engine.request_stream import RequestStream
 from tandem.outputs import CompletionOutput
 from tandem.serve.errors import APIError
 from tandem.serve.protocol import ChatCompletionRequest, ChatMessage
-from tandem.serve.request_stream import RequestStream
 from tandem.serve.serving import (
     OpenAIServing,
     disconnected_response,

@@ -84,8 +84,8 @@ def add_subcommands(subparsers) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.config import EngineConfig
+    from tandem.engine.async_llm import AsyncLLM
     from tandem.serve.app import build_app
-    from tandem.serve.async_engine import AsyncLLM
     from tandem.serve.server import bind_socket, print_listening, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.engine.request_stream import RequestStream
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.serve.errors import APIError
 from tandem.serve.protocol import CompletionRequest
-from tandem.serve.request_stream import RequestStream
 from tandem.serve.serving import (
     OpenAIServing,
     disconnected_response,

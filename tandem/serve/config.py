@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ENGINE_MODES = ("process", "thread")
+from tandem.engine.core_client import ENGINE_MODES
 
 
 @dataclass

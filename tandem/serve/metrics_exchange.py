@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-from tandem.serve.metrics import ServerMetrics
+from tandem.engine.metrics import ServerMetrics
 
 logger = logging.getLogger("tandem.serve")
 

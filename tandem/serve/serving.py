@@ -15,9 +15,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from tandem.engine.async_llm import AsyncLLM, EngineError, EngineUnavailable, Overloaded
+from tandem.engine.request_stream import RequestStream
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.serve.async_engine import AsyncLLM, EngineError, EngineUnavailable, Overloaded
 from tandem.serve.errors import APIError, error_body, from_value_error
 from tandem.serve.protocol import (
     ChatCompletionRequest,
@@ -25,7 +26,6 @@ from tandem.serve.protocol import (
     reject_unsupported,
     sampling_params,
 )
-from tandem.serve.request_stream import RequestStream
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to the same value
 

@@ -1,9 +1,9 @@
 """Server mode, the HTTP side: the admin routes through which a trainer pushes weights to
-`tandem serve` over a collective group (`tandem.serve.communicator`).
+`tandem serve` over a collective group (`tandem.weights.communicator`).
 
 The trainer asks the server to join its two-party group (`POST /init_communicator`); each update
 names its tensors (`POST /update_named_params`: name, dtype, shape), the trainer broadcasts them,
-and the engine core receives them into fresh buffers and loads them (`tandem.serve.weight_sync`,
+and the engine core receives them into fresh buffers and loads them (`tandem.weights.receiver`,
 in the engine process, where the weights live). Here requests are checked, one operation runs at
 a time, and the engine core's errors become HTTP answers.
 """
@@ -16,10 +16,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
-from tandem.serve.communicator import SERVER_RANK, TRAINER_RANK
+from tandem.engine.async_llm import AsyncLLM, EngineUnavailable
 from tandem.serve.errors import APIError
-from tandem.serve.weight_sync import CommunicatorFailed, TensorSpec
+from tandem.weights.communicator import SERVER_RANK, TRAINER_RANK
+from tandem.weights.receiver import CommunicatorFailed, TensorSpec
 
 
 class InitCommunicatorRequest(BaseModel):

@@ -81,8 +81,8 @@ def test_the_next_step_launches_before_the_previous_tokens_are_read(monkeypatch)
     llm = LLM(make_tiny_model("llama"), async_scheduling=True)
     engine = llm.llm_engine
     events = []
-    run = engine.model_runner.run
-    monkeypatch.setattr(engine.model_runner, "run", lambda *a: events.append("launch") or run(*a))
+    run = engine.worker.model_runner.run
+    monkeypatch.setattr(engine.worker.model_runner, "run", lambda *a: events.append("launch") or run(*a))
     get = llm_engine_module.AsyncSamplerOutput.get
     monkeypatch.setattr(llm_engine_module.AsyncSamplerOutput, "get", lambda self: events.append("read") or get(self))
     engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -126,4 +126,20 @@ def test_sleep_drains_the_in_flight_step():
     assert engine._in_flight is None
     llm.wake_up()
     assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_token_ids_hold_real_ids_only_while_a_step_is_in_flight():
+    """The token being sampled counts in num_tokens (a placeholder), never in token_ids."""
+    llm = LLM(make_tiny_model("llama"), async_scheduling=True)
+    engine = llm.llm_engine
+    engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    seen = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.requests.get("r").seqs if "r" in engine.requests else []:
+            assert all(t >= 0 for t in seq.token_ids)
+            assert seq.num_tokens == len(seq.token_ids) + seq.num_placeholders
+            seen += seq.num_placeholders
+    assert seen > 0  # a step was in flight at some point
     assert_no_leak(llm)

@@ -114,7 +114,7 @@ def test_gpu_sleep_frees_memory_and_graphs_survive(backend):
                             num_attention_heads=8, num_key_value_heads=2).cuda()
     llm = LLM(model, enable_sleep_mode=True, gpu_memory_utilization=0.3, sleep_mode_backend=backend)
     engine = llm.llm_engine
-    assert engine.use_cumem == (backend == "cumem")
+    assert engine.worker.use_cumem == (backend == "cumem")
     expected = run(llm)
     torch.cuda.synchronize()
     free0 = torch.cuda.mem_get_info()[0]

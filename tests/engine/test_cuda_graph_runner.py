@@ -63,7 +63,7 @@ def generate(model, prompts, params, max_num_seqs, max_num_batched_tokens, graph
         runner = CUDAGraphRunner(engine.model, max_num_seqs, -(-engine.max_model_len // 8), engine.device,
                                  graph_tokens)
         runner.capture()
-        engine.model_runner.graph_runner = runner
+        engine.worker.model_runner.graph_runner = runner
     done = {}
 
     def step():

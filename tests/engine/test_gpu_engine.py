@@ -21,8 +21,8 @@ def test_triton_backend_matches_torch_backend_on_cpu():
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert_no_leak(tri)
     # the start-up warm-up's dummy steps write no cache slot and leave the outputs alone
-    tri.llm_engine.model_runner.warmup_kernels(tri.llm_engine.max_model_len)
-    tri.llm_engine.model_runner.warmup_kernels(4)  # a short context: no query longer than it
+    tri.llm_engine.worker.model_runner.warmup_kernels(tri.llm_engine.max_model_len)
+    tri.llm_engine.worker.model_runner.warmup_kernels(4)  # a short context: no query longer than it
     again = tri.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ref]
     assert_no_leak(tri)
@@ -37,8 +37,8 @@ def test_gpu_greedy_equals_torch_reference_fp32(arch):
     expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]
     gpu_model = make_tiny_model(arch, max_position_embeddings=1024).cuda()
     llm = LLM(gpu_model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=8)
-    assert llm.llm_engine.attention_backend == "triton"
-    assert llm.llm_engine.model_runner.graph_runner is not None
+    assert llm.llm_engine.worker.attention_backend == "triton"
+    assert llm.llm_engine.worker.model_runner.graph_runner is not None
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == expected
     eager = LLM(gpu_model, block_size=16, gpu_memory_utilization=0.2, enforce_eager=True)
@@ -66,7 +66,7 @@ def test_gpu_mixed_step_graphs_equal_eager_steps():
         while engine.has_unfinished_requests():
             done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
         assert_no_leak(llm)
-        return [done[str(i)] for i in range(len(prompts))], engine.model_runner.graph_runner
+        return [done[str(i)] for i in range(len(prompts))], engine.worker.model_runner.graph_runner
 
     got, graphs = run(max_cudagraph_capture_size=256)
     assert graphs.num_replays["mixed"] > 0 and graphs.num_replays["decode"] > 0
@@ -135,7 +135,7 @@ def test_no_kernel_compiles_after_start_up():
     between tokens (a compile stalls every request in flight for about a second)."""
     model = make_tiny_model("qwen2", max_position_embeddings=1024).to(device="cuda", dtype=torch.bfloat16)
     llm = LLM(model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=64)
-    assert llm.llm_engine.kernel_warmup_s is not None
+    assert llm.llm_engine.worker.kernel_warmup_s is not None
     before = _compiled_triton_variants()
     assert sum(before.values()) > 0
     prompts = [[(7 * i + j) % 300 + 3 for j in range(1 + (i * 37) % 150)] for i in range(64)]

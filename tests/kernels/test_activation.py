@@ -1,5 +1,7 @@
 """Triton SiLU-and-multiply against the torch reference and the layer."""
 
+import math
+
 import pytest
 import torch
 
@@ -29,3 +31,16 @@ def test_silu_and_mul_half_precision_gpu(dtype):
     x = (3 * torch.randn(300, 2 * 8960, device="cuda")).to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), atol=tol, rtol=tol)
+
+
+def test_reference_is_silu_of_gate_times_up():
+    """Against hand-computed values and HF's activation, not against itself: the first half is
+    the gate (through SiLU), the second the up projection."""
+    from transformers.activations import ACT2FN
+
+    x = torch.tensor([[1.0, -2.0, 2.0, 3.0]])  # gate [1, -2], up [2, 3]
+    expected = torch.tensor([[2.0 * (1.0 / (1 + math.exp(-1.0))), 3.0 * (-2.0 / (1 + math.exp(2.0)))]])
+    torch.testing.assert_close(silu_and_mul_ref(x), expected)
+    y = torch.randn(5, 2 * 24)
+    gate, up = y[:, :24], y[:, 24:]
+    torch.testing.assert_close(silu_and_mul_ref(y), ACT2FN["silu"](gate) * up)

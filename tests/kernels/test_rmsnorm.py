@@ -71,3 +71,21 @@ def test_rms_norm_half_precision_gpu(dtype, hidden):
     torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6),
                                atol=tol, rtol=tol)
+
+
+def test_reference_against_hand_values_and_hf():
+    """Not against itself: x = [3, 4] has mean square 12.5, so it normalises to x / sqrt(12.5)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.tensor([[3.0, 4.0]])
+    weight = torch.tensor([1.0, 2.0])
+    expected = torch.tensor([[3.0, 8.0]]) / 12.5**0.5
+    torch.testing.assert_close(rms_norm_ref(x, weight, 0.0), expected)
+    out, res = fused_add_rms_norm_ref(x, torch.tensor([[1.0, -1.0]]), weight, 0.0)
+    torch.testing.assert_close(res, torch.tensor([[4.0, 3.0]]))
+    torch.testing.assert_close(out, torch.tensor([[4.0, 6.0]]) / 12.5**0.5)
+    hf = LlamaRMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    x, _, weight = inputs((4, 64), torch.bfloat16, "cpu")
+    hf.weight.data.copy_(weight)
+    with torch.no_grad():
+        assert torch.equal(rms_norm_ref(x, weight, 1e-6), hf(x))

@@ -131,3 +131,31 @@ def test_fused_cache_write_equals_rotary_then_store(dtype, num_heads, num_kv_hea
     assert oq.data_ptr() == q.data_ptr() and ok.data_ptr() == k.data_ptr()
     assert torch.equal(fused, want_fused)  # q and k rotated in place, v untouched
     assert torch.equal(caches, want_caches)
+
+
+def test_reference_rotates_as_hf_does():
+    """Against a hand-computed rotation and HF's `apply_rotary_pos_emb`, not against itself: at
+    position p with one frequency of 1, (x1, x2) turns by p radians."""
+    import math
+
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cos_cache = torch.tensor([[math.cos(p)] * 2 for p in range(3)])
+    sin_cache = torch.tensor([[math.sin(p)] * 2 for p in range(3)])
+    q = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]]])  # two tokens, one head, head dim 2
+    rq, rk = apply_rotary_ref(torch.tensor([1, 2]), q, q.clone(), cos_cache, sin_cache)
+    expected = torch.tensor([[[math.cos(1), math.sin(1)]], [[-math.sin(2), math.cos(2)]]])
+    torch.testing.assert_close(rq, expected)
+    torch.testing.assert_close(rk, expected)
+
+    cfg = LlamaConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, rope_theta=1e6,
+                      max_position_embeddings=4096)
+    layer = RotaryEmbedding(cfg, HEAD_DIM, 4096)
+    _, q, k, _ = qkv(9, 4, 2, HEAD_DIM, torch.float32, "cpu")
+    positions = torch.tensor([0, 1, 2, 3, 100, 4095, 7, 7, 512])
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, positions[None])
+    hq, hk = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rq, rk = apply_rotary_ref(positions, q, k, layer.cos_cache, layer.sin_cache)
+    torch.testing.assert_close(rq, hq[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rk, hk[0].transpose(0, 1), atol=1e-5, rtol=1e-5)

@@ -110,7 +110,7 @@ def test_engine_gives_seeded_rows_their_seed_and_token_count():
     eng.add_request("b", [8, 9], SamplingParams(temperature=1.0, max_tokens=4))
     sched = eng.scheduler.schedule()
     seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
-    m = eng.model_runner.prepare_sampling(seqs)
+    m = eng.worker.model_runner.prepare_sampling(seqs)
     rows = m.seeded_rows_cpu
     assert sorted(seqs[r].request_id for r in rows) == ["a", "a"]
     assert sorted(m.row_seeds.tolist()) == [11, 12]  # seed + sample index, as the torch path

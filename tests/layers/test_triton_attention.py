@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tandem.engine.forward_context import AttentionMetadata, set_attention_metadata
+from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention, TorchAttentionBackend
 from tandem.layers.triton_attention import TritonAttentionBackend
 

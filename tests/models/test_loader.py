@@ -43,3 +43,31 @@ def test_smollm2_default_answers(smollm2_dir):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     assert out[0].outputs[0].text.strip() == "The capital of France is Paris."
+
+
+def test_load_weights_fills_every_shard_of_the_merged_projections():
+    """q, k and v land in their own rows of qkv_proj (weights and biases), gate and up in theirs
+    of gate_up_proj, and no shard overwrites another."""
+    model = make_tiny_model("qwen2")
+    llm = LLM(model)
+    layer = llm.llm_engine.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    src_attn, src_mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    new = {}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        for kind in ("weight", "bias"):
+            new[f"model.layers.0.self_attn.{name}.{kind}"] = torch.randn_like(getattr(getattr(src_attn, name), kind))
+    for name in ("gate_proj", "up_proj"):
+        new[f"model.layers.0.mlp.{name}.weight"] = torch.randn_like(getattr(src_mlp, name).weight)
+    load_weights(llm.llm_engine.model, list(new.items()))
+    for shard in ("q", "k", "v"):
+        start, size = attn.qkv_proj.shard_range(shard)
+        torch.testing.assert_close(attn.qkv_proj.weight[start : start + size],
+                                   new[f"model.layers.0.self_attn.{shard}_proj.weight"])
+        torch.testing.assert_close(attn.qkv_proj.bias[start : start + size],
+                                   new[f"model.layers.0.self_attn.{shard}_proj.bias"])
+    for shard, name in ((0, "gate_proj"), (1, "up_proj")):
+        start, size = mlp.gate_up_proj.shard_range(shard)
+        torch.testing.assert_close(mlp.gate_up_proj.weight[start : start + size],
+                                   new[f"model.layers.0.mlp.{name}.weight"])
+    assert attn.qkv_proj.weight.shape[0] == sum(attn.qkv_proj.shard_range(s)[1] for s in "qkv")

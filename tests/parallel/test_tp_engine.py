@@ -113,7 +113,7 @@ def test_spawned_workers_in_memory_model():
         assert llm.tp_workers.num_workers == 1
         with pytest.raises(RuntimeError, match="shutdown"):  # its world is this process's one
             LLM(model, tensor_parallel_size=2, **ENGINE)
-        assert llm.llm_engine.model_runner.attn_layers[0].num_kv_heads == 2  # 4 KV heads, 2 ranks
+        assert llm.llm_engine.worker.model_runner.attn_layers[0].num_kv_heads == 2  # 4 KV heads, 2 ranks
         _assert_same(_run(llm), ref, "spawned")
         with pytest.raises(NotImplementedError, match="torchrun"):
             llm.load_weights(model.state_dict().items())

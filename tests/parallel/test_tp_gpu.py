@@ -40,11 +40,11 @@ def test_tp2_with_cuda_graphs_matches_tp1(dtype):
     llm = LLM(model, tensor_parallel_size=2, **kwargs)  # rank 1 is spawned on cuda:1
     try:
         engine = llm.llm_engine
-        assert engine.tp_group.size == 2 and engine.attention_backend == "triton"
-        assert engine.model_runner.graph_runner is not None  # decode steps replay captured graphs
+        assert engine.worker.tp_group.size == 2 and engine.worker.attention_backend == "triton"
+        assert engine.worker.model_runner.graph_runner is not None  # decode steps replay captured graphs
         got = _greedy(llm, PROMPTS, N)
         assert all(len(g) == N for g in got)
-        replays = engine.model_runner.graph_runner.num_replays
+        replays = engine.worker.model_runner.graph_runner.num_replays
         assert replays["mixed"] > 0 and replays["decode"] > 0  # the prefill step replayed a graph too
         if dtype == torch.float32:
             assert got == ref

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from tandem import LLM
 from tandem.rl import GRPOConfig, GRPOTrainer
 from tandem.rl import fsdp as fsdp_mod
+from tandem.weights import sync as weight_sync_mod
 
 WORLD = 2
 TARGET = 42
@@ -172,7 +173,7 @@ def test_fsdp_without_a_process_group_says_how_to_launch(tmp_path):
 
 def test_local_rows_follow_torch_chunk():
     t = torch.arange(10.0).reshape(5, 2)
-    assert fsdp_mod.local_rows(t) == (t, slice(0, 5))  # not sharded: every row
+    assert weight_sync_mod.local_rows(t) == (t, slice(0, 5))  # not sharded: every row
 
 
 def _rank_nccl(rank: int, store: str, out: str) -> None:

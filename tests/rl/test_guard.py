@@ -82,7 +82,7 @@ def test_weight_sync_tells_nonfinite_trainer_weights_from_a_copy_that_did_not_la
     engine = trainer.llm.llm_engine
 
     def bump_only(model):  # a sync that reports success and copies nothing
-        engine.weights_version += 1
+        engine.worker.weights_version += 1
 
     monkeypatch.setattr(trainer.llm, "update_weights_from_model", bump_only)
     trainer.generator.mark_stale()

@@ -59,5 +59,13 @@ def test_tensorboard_events(tmp_path):
     pytest.importorskip("tensorboard")
     with MetricsLogger(str(tmp_path), report_to=["tensorboard"], console=None) as log:
         log.log(1, {"loss": 1.0})
+        log.log(2, {"loss": 0.25})
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert not (tmp_path / METRICS_FILE).exists()
+    # the file holds the scalars, not just a header: read them back
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert "loss" in events.Tags()["scalars"]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 0.25)]

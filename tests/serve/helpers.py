@@ -20,8 +20,8 @@ from pathlib import Path
 
 import tandem
 from tandem.config import EngineConfig
+from tandem.engine.async_llm import AsyncLLM
 from tandem.serve.app import build_app
-from tandem.serve.async_engine import AsyncLLM
 from tandem.serve.config import ServeConfig
 from tandem.serve.server import bind_socket, make_server
 

@@ -24,12 +24,12 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.config import EngineConfig
+from tandem.engine.async_llm import AsyncLLM, EngineUnavailable
+from tandem.engine.core import ABORT, ADD, STOP, UTILITY, EngineCoreOutputs
+from tandem.engine.core_client import EngineCoreProc
+from tandem.engine.core_fanout import CoreClients
 from tandem.outputs import RequestOutput
-from tandem.serve.async_engine import AsyncLLM, EngineUnavailable
 from tandem.serve.config import ServeConfig
-from tandem.serve.core_client import EngineCoreProc
-from tandem.serve.core_clients import CoreClients
-from tandem.serve.engine_core import ABORT, ADD, STOP, UTILITY, EngineCoreOutputs
 
 from .helpers import ServeProcess, held_by_engine
 

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tandem.config import EngineConfig
+from tandem.engine.async_llm import AsyncLLM
 from tandem.engine.llm_engine import LLMEngine
-from tandem.serve.async_engine import AsyncLLM
 
 from .helpers import parse_sse, run_server
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem.serve.metrics import EngineStats, ServerMetrics
+from tandem.engine.metrics import EngineStats, ServerMetrics
 from tandem.serve.metrics_exchange import MetricsExchange
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
 from tandem.rl.server_client import ServerClient, ServerError
-from tandem.serve.communicator import TRAINER_RANK, Communicator, open_store
+from tandem.weights.communicator import TRAINER_RANK, Communicator, open_store
 
 from .helpers import ADMIN_KEY as KEY
 

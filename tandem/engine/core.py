@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.metrics import EngineStats
 from tandem.outputs import RequestOutput
-from tandem.serve.metrics import EngineStats
-from tandem.serve.weight_sync import WeightSyncWorker
+from tandem.weights.receiver import WeightSyncWorker
 
 logger = logging.getLogger("tandem.serve")
 

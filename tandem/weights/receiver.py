@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.serve.communicator import SERVER_RANK, Communicator, open_store, signal_ready
+from tandem.weights.communicator import SERVER_RANK, Communicator, open_store, signal_ready
 
 
 @dataclass(frozen=True)

@@ -19,16 +19,19 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 
 from tandem.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine
-from tandem.serve.config import ENGINE_MODES
-from tandem.serve.engine_core import (
+from tandem.engine.core import (
     STOP,
     EngineCore,
     EngineCoreOutputs,
     EngineInfo,
     EngineUnavailable,
 )
-from tandem.serve.engine_core_proc import run_engine_core
+from tandem.engine.core_proc import run_engine_core
+from tandem.engine.llm_engine import LLMEngine
+
+# "process" (the default): the core runs in a process of its own, as vLLM V1's EngineCoreProc;
+# "thread": in a thread of the caller's process
+ENGINE_MODES = ("process", "thread")
 
 logger = logging.getLogger("tandem.serve")
 

@@ -1,7 +1,7 @@
 """The engine core in a process of its own (vLLM V1's EngineCoreProc): its entry point.
 
 It serves one API server (`tandem serve`), or several sharing its socket (`--api-server-count`),
-each over a pair of one-way pipes (`core_clients.CoreClients`).
+each over a pair of one-way pipes (`core_fanout.CoreClients`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import signal
 from multiprocessing.connection import Connection
 
 from tandem.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.core_fanout import CoreClients, portable
 from tandem.engine.gc_pause import freeze_for_good
 from tandem.engine.llm_engine import LLMEngine
-from tandem.serve.core_clients import CoreClients, portable
-from tandem.serve.engine_core import EngineCore
 
 logger = logging.getLogger("tandem.serve")
 

@@ -17,8 +17,8 @@ from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tandem.engine.async_llm import AsyncLLM
     from tandem.engine.llm_engine import PromptType
-    from tandem.serve.async_engine import AsyncLLM
 
 
 class RequestStream:

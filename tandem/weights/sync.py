@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class WeightSync:
@@ -61,8 +62,6 @@ class WeightSync:
         ours = self.model.get_input_embeddings().weight
         theirs = self.llm.llm_engine.model.model.embed_tokens.weight
         if hasattr(ours, "to_local"):  # a DTensor shard
-            from tandem.rl.fsdp import local_rows
-
             ours, rows = local_rows(ours)
             theirs = theirs[rows]
         if torch.equal(ours.to(theirs.dtype), theirs):
@@ -78,3 +77,19 @@ class WeightSync:
         raise RuntimeError(
             "the weight sync did not land: after the copy the engine's input embedding differs "
             "from the trainer's (finite) one")
+
+
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, slice]:
+    """This rank's dim-0 shard of an FSDP2 parameter and the rows of the full tensor it holds
+    (FSDP2 shards dim 0 as torch.chunk does). A plain tensor is all rows."""
+    if not isinstance(t, DTensor):
+        return t, slice(0, t.shape[0])
+    local = t.to_local()
+    n, world, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    chunk = -(-n // world)
+    start = min(rank * chunk, n)
+    rows = slice(start, min(start + chunk, n))
+    if local.shape[0] != rows.stop - rows.start:
+        raise RuntimeError(f"FSDP2 shard of {local.shape[0]} rows where {rows} was expected; "
+                           "the shard layout is not torch.chunk's")
+    return local, rows

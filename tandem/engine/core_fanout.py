@@ -22,7 +22,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from tandem.serve.engine_core import (
+from tandem.engine.core import (
     ABORT,
     ADD,
     STOP,

@@ -1,11 +1,14 @@
-"""Llama-family decoder (Llama, SmolLM2, and the base for Qwen2/Qwen3), single-device.
+"""The decoder of the Llama family (Llama, SmolLM2, Mistral, Qwen2/2.5, Qwen3), single-device.
 
+One model class; an architecture differs from Llama only by its `DecoderSpec` (registry.py).
 Shape suffixes: T = tokens in the step, D = hidden, N = heads, K = kv heads, H = head dim.
 The model takes (input_ids [T], positions [T]) and reads paged-attention metadata from the
 forward context; it knows nothing of batching, paging or parallelism.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -17,22 +20,28 @@ from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
 
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What sets an architecture apart from Llama."""
+
+    qkv_bias: bool = False  # biases on q/k/v when the config says nothing (`attention_bias`)
+    o_bias_follows_qkv: bool = True  # o_proj has a bias when `attention_bias` is set (Qwen2: never)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rotary (Qwen3)
+
+
 def head_dim_of(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 class DecoderAttention(nn.Module):
-    qkv_bias_default = False
-    o_bias_default = False
-    qk_norm = False
-
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, spec: DecoderSpec):
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(cfg)
-        qkv_bias = getattr(cfg, "attention_bias", self.qkv_bias_default)
-        o_bias = getattr(cfg, "attention_bias", self.o_bias_default) and self.o_bias_follows_qkv
+        self.qk_norm = spec.qk_norm
+        qkv_bias = getattr(cfg, "attention_bias", spec.qkv_bias)
+        o_bias = getattr(cfg, "attention_bias", False) and spec.o_bias_follows_qkv
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
         self.rotary_emb = RotaryEmbedding(cfg, self.head_dim, max_position)
@@ -40,8 +49,6 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
-
-    o_bias_follows_qkv = True
 
     def forward(self, positions: torch.Tensor, x_TD: torch.Tensor) -> torch.Tensor:
         T = x_TD.shape[0]
@@ -72,11 +79,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    attention_cls = DecoderAttention
-
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, spec: DecoderSpec):
         super().__init__()
-        self.self_attn = self.attention_cls(cfg, max_position)
+        self.self_attn = DecoderAttention(cfg, max_position, spec)
         self.mlp = DecoderMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -95,13 +100,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    layer_cls = DecoderLayer
-
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, spec: DecoderSpec):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [self.layer_cls(cfg, max_position) for _ in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, max_position, spec) for _ in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -114,8 +117,7 @@ class DecoderModel(nn.Module):
         return x_TD
 
 
-class LlamaForCausalLM(nn.Module):
-    model_cls = DecoderModel
+class DecoderForCausalLM(nn.Module):
     # checkpoint name -> (merged parameter name, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -125,10 +127,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg, max_position: int):
+    def __init__(self, cfg, max_position: int, spec: DecoderSpec = DecoderSpec()):
         super().__init__()
         self.config = cfg
-        self.model = self.model_cls(cfg, max_position)
+        self.spec = spec
+        self.model = DecoderModel(cfg, max_position, spec)
         self.lm_head = LMHead(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

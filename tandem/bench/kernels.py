@@ -1,6 +1,6 @@
 """Micro-benchmark of the Triton attention kernels on one GPU.
 
-    python -m tandem.kernels.bench_attention [--batch 256 --contexts 256 384 512 1024 --heads 12
+    python -m tandem.bench.kernels [--batch 256 --contexts 256 384 512 1024 --heads 12
         --kv-heads 2 --baseline OLD_decode_attention.py --sweep]
 
 Decode is memory-bound: the table reports GB/s of KV cache read and its share of `--hbm-gbs`.

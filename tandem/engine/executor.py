@@ -269,6 +269,6 @@ def worker_main(
         except Exception:
             # The driver ran the same checks on the same input and raised the same error.
             logger.debug("rank %d: %s raised", rank, method, exc_info=True)
-    llm.llm_engine.model_runner.release_cudagraphs()  # NCCL's teardown waits for graphs using it
+    llm.llm_engine.worker.model_runner.release_cudagraphs()  # NCCL's teardown waits for graphs using it
     del llm
     _destroy_bounded()

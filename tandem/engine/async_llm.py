@@ -1,7 +1,7 @@
 """AsyncLLM: the engine behind an asyncio interface, as the API server sees it.
 
-The engine itself lives in an engine core (`tandem.serve.engine_core`), by default in a process
-of its own (`tandem.serve.core_client`), so that its Python work never competes with the event
+The engine itself lives in an engine core (`tandem.engine.core`), by default in a process
+of its own (`tandem.engine.core_client`), so that its Python work never competes with the event
 loop for the GIL. Here requests are admitted, registered and sent; each engine step comes back as
 one message, whose outputs are dropped into the requests' streams with one
 `call_soon_threadsafe` per event loop.
@@ -18,12 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine.llm_engine import LLMEngine, PromptType
-from tandem.outputs import RequestOutput
-from tandem.sampling_params import SamplingParams
-from tandem.serve.config import ServeConfig
-from tandem.serve.core_client import EngineCoreConns, MPClient, make_client
-from tandem.serve.engine_core import (
+from tandem.engine.core import (
     ABORT,
     ADD,
     UTILITY,
@@ -32,8 +27,12 @@ from tandem.serve.engine_core import (
     EngineInfo,
     EngineUnavailable,
 )
-from tandem.serve.metrics import EngineStats, ServerMetrics
-from tandem.serve.request_stream import RequestStream
+from tandem.engine.core_client import ENGINE_MODES, EngineCoreConns, MPClient, make_client
+from tandem.engine.llm_engine import LLMEngine, PromptType
+from tandem.engine.metrics import EngineStats, ServerMetrics
+from tandem.engine.request_stream import RequestStream
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineError", "EngineUnavailable", "Overloaded"]
 
@@ -55,7 +54,7 @@ class AsyncLLM:
         self,
         config: EngineConfig | None = None,
         max_waiting_requests: int | None = None,
-        engine_mode: str = ServeConfig.engine_mode,
+        engine_mode: str = ENGINE_MODES[0],
         attach_to: tuple[EngineCoreConns, EngineInfo] | None = None,
     ):
         self.max_waiting_requests = max_waiting_requests

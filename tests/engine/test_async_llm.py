@@ -10,7 +10,7 @@ import pytest
 
 from tandem import SamplingParams
 from tandem.config import EngineConfig
-from tandem.serve.async_engine import AsyncLLM, EngineError, EngineUnavailable
+from tandem.engine.async_llm import AsyncLLM, EngineError, EngineUnavailable
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 MODES = ["process", "thread"]

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
+from tandem.engine.metrics import ServerMetrics
+from tandem.engine.request_stream import RequestStream
 from tandem.outputs import CompletionOutput, RequestOutput
-from tandem.serve.metrics import ServerMetrics
-from tandem.serve.request_stream import RequestStream
 
 
 class _FakeLLM:

@@ -4,7 +4,7 @@ The trainer (rank 0) opens a TCPStore on a free port and asks the server (rank 1
 two-party group through it. The group is built from its own store, outside torch.distributed's
 default group, so a trainer that already runs data parallel keeps its own world, and a server can
 close one group and join another. Both sides use this module: the trainer in
-`tandem.rl.server_client`, the server in its engine core (`tandem.serve.weight_sync`).
+`tandem.rl.server_client`, the server in its engine core (`tandem.weights.receiver`).
 """
 
 from __future__ import annotations

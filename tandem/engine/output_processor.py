@@ -1,0 +1,186 @@
+"""OutputProcessor: sampled tokens in, RequestOutputs out (vLLM V1's OutputProcessor).
+
+Per request it keeps the detokenizers and what was already sent; per sampled token it records
+logprobs, detokenizes where stop strings need the text, and says whether the sample stopped and
+whether the request has an output due (first token, every `stream_interval` tokens, the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.stop_checker import check_stop, find_stop_string
+from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: str  # "cumulative" | "delta" | "final_only"
+    seqs: list[Sequence] = field(default_factory=list)
+    detokenizers: list[IncrementalDetokenizer] | None = None
+    sent_tokens: list[int] = field(default_factory=list)  # per sample, for delta outputs
+    sent_chars: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        for s in self.seqs:  # a plain loop: this runs for every streamed output
+            if s.status is not SequenceStatus.FINISHED:
+                return False
+        return True
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, stream_interval: int):
+        self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
+        self.requests: dict[str, RequestState] = {}
+        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
+
+    def add_request(self, state: RequestState) -> None:
+        params = state.params
+        wants_text = state.output_kind != "final_only" or params.stop_strings
+        if wants_text and params.detokenize and self.tokenizer is not None:
+            state.detokenizers = [
+                IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, params.skip_special_tokens)
+                for _ in state.seqs
+            ]
+        state.sent_tokens = [0] * params.n
+        state.sent_chars = [0] * params.n
+        self.requests[state.request_id] = state
+
+    # -- per sampled token -----------------------------------------------------------------------
+    @staticmethod
+    def record_logprobs(seq: Sequence, row: int, ranks: list, topk_ids: list | None, topk_lps: list | None) -> None:
+        """Keep row `row` of the step's ranks and top-k alternatives for a sample that asked for logprobs."""
+        k = seq.sampling_params.logprobs
+        seq.output_ranks.append(ranks[row])
+        if k and topk_ids is not None:
+            ids, lps = topk_ids[row][:k], topk_lps[row][:k]
+            seq.top_logprobs.append({t: (lp_t, r + 1) for r, (t, lp_t) in enumerate(zip(ids, lps))})
+
+    def check_stop(self, state: RequestState, seq: Sequence) -> tuple[str, int | str | None] | None:
+        """(finish_reason, stop_reason) when the token just appended ends the sample."""
+        stop = check_stop(seq)
+        if state.detokenizers is not None and seq.sampling_params.stop_strings:
+            # stop strings are matched as the text grows: detokenize every token
+            det = state.detokenizers[seq.index]
+            delta = det.add(seq.last_token_id)
+            if stop is None and delta:
+                hit = find_stop_string(det.text, len(delta), seq.sampling_params.stop_strings)
+                if hit is not None:
+                    stop_str, idx = hit
+                    end = idx + len(stop_str) if seq.sampling_params.include_stop_str_in_output else idx
+                    det.text = det.text[:end]
+                    stop = ("stop", stop_str)
+            elif stop is not None:
+                det.flush()
+            seq.output_text = det.text
+        return stop
+
+    def output_due(self, state: RequestState, seq: Sequence) -> bool:
+        """final_only requests produce an output only when a sample finishes; streamed ones on
+        their first token (time to first token is not held back), then every stream_interval
+        tokens, as vLLM's."""
+        if seq.is_finished:
+            return True
+        if state.output_kind == "final_only":
+            return False
+        sent = state.sent_tokens[seq.index]
+        return sent == 0 or seq.num_output_tokens - sent >= self.stream_interval
+
+    # -- outputs ---------------------------------------------------------------------------------
+    def make_output(self, state: RequestState) -> RequestOutput | None:
+        finished = state.finished
+        if state.output_kind == "final_only" and not finished:
+            return None
+        outputs = []
+        for seq in state.seqs:
+            i = seq.index
+            start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
+            if state.detokenizers is not None:
+                self._catch_up_text(state, seq)
+                text = seq.output_text
+            else:
+                text = self._decode_final(seq)
+            if not seq.is_finished and seq.sampling_params.stop_strings:
+                # hold back what could still become the start of a stop string
+                text = text[: max(0, len(text) - max(map(len, seq.sampling_params.stop_strings)) + 1)]
+            start_chr = state.sent_chars[i] if state.output_kind == "delta" else 0
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text[start_chr:],
+                    token_ids=seq.token_ids[seq.num_prompt_tokens + start_tok :],
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=self._logprobs(seq, start_tok),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+            state.sent_tokens[i] = seq.num_output_tokens
+            state.sent_chars[i] = len(text)
+        if finished:
+            self.requests.pop(state.request_id, None)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            num_cached_tokens=state.seqs[0].num_cached_tokens,
+            metrics={"arrival_time": state.seqs[0].arrival_time,
+                     "first_token_time": min((s.first_token_time for s in state.seqs if s.first_token_time),
+                                             default=None)},
+        )
+
+    @staticmethod
+    def _catch_up_text(state: RequestState, seq: Sequence) -> None:
+        """Without stop strings a sample's text is only needed when it is emitted: detokenize the
+        tokens since the last emission now, in one go (and flush at the end)."""
+        det = state.detokenizers[seq.index]
+        if not seq.sampling_params.stop_strings:
+            det.add_many(seq.token_ids[seq.num_prompt_tokens + det.num_added :])
+            if seq.is_finished:
+                det.flush()
+            seq.output_text = det.text
+
+    def _decode_final(self, seq: Sequence) -> str:
+        if not seq.is_finished or self.tokenizer is None or not seq.sampling_params.detokenize:
+            return ""
+        return self.tokenizer.decode(
+            seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
+        )
+
+    def _logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]] | None:
+        if seq.sampling_params.logprobs is None:
+            return None
+        text = self._token_text
+        out = []
+        tops = seq.top_logprobs
+        ids, p = seq.token_ids, seq.num_prompt_tokens
+        for i in range(start, len(seq.output_ranks)):
+            t = ids[p + i]
+            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text(t))}
+            if tops:
+                for t_k, (lp_k, rank_k) in tops[i].items():
+                    if t_k not in entry:
+                        entry[t_k] = Logprob(lp_k, rank_k, text(t_k))
+            out.append(entry)
+        return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        """`decode([token_id])`, cached: the vocabulary bounds the cache, and a token's text is
+        looked up once per vocabulary entry instead of once per sampled token."""
+        text = self._token_texts.get(token_id)
+        if text is None and self.tokenizer is not None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
