@@ -4,22 +4,24 @@ learn (held-out accuracy +15 points at least; H200, 2026-12-01: 18.0 -> 41.4% an
 and the engine and the trainer must agree on the sampled tokens' logprobs."""
 
 import json
+import subprocess
+import sys
 
 import pytest
-import torch
-
-from tandem.cli import main
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("seed", [42, 1])
-def test_default_grpo_run_learns_in_bf16(tmp_path, seed, capsys):
+def test_default_grpo_run_learns_in_bf16(tmp_path, seed):
     out = tmp_path / "run"
-    assert main(["train", "grpo", "--seed", str(seed), "--output-dir", str(out), "--report-to", "jsonl"]) == 0
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    run = subprocess.run([sys.executable, "-m", "tandem.cli", "train", "grpo", "--seed", str(seed),
+                          "--output-dir", str(out), "--report-to", "jsonl"],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 60 and torch.cuda.is_available()
+    assert len(rows) == 60
     assert all(r["grad_norm"] is not None for r in rows)  # finite every step
     assert rows[-1]["train/nonfinite_steps"] == 0
     gain = summary["held_out_after"]["eval/accuracy_reward/mean"] - summary["held_out_before"]["eval/accuracy_reward/mean"]
