@@ -1,9 +1,9 @@
 """The trainer's per-token log-probabilities, computed as the engine computes its sampling logprobs.
 
-Two rules keep the two sides equal (DESIGN.md invariant 1):
+Two rules keep the two sides as equal as bf16 allows (docs/rl-numerics.md has the measurements):
 - logits in fp32 from the GEMM's accumulator on both sides: the engine's lm_head returns fp32
   (`tandem.layers.linear.linear_fp32_out`), and so does the trainer's head here, from the same
-  bf16-rounded hidden state and weight (rounding bf16 logits costs ~0.03 nats a token);
+  bf16-rounded hidden state and weight (bf16 logits added ~0.01 nats a token to the gap);
 - the same distribution: with top-k / top-p / min-p the engine reports logprobs of the truncated,
   renormalised distribution ("processed_logprobs"), so the trainer renormalises over the same kept
   set (`SamplingFilter`), not over the whole vocabulary.

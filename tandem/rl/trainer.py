@@ -1,4 +1,4 @@
-"""GRPOTrainer: the colocated loop of DESIGN.md on one device.
+"""GRPOTrainer: the colocated loop of docs/architecture.md on one device.
 
 wake -> weights from the trainer -> G completions per prompt (with logprobs) -> sleep -> rewards ->
 group-relative advantages -> loss (clip, IS correction, optional KL) -> optimizer step.

@@ -1,0 +1,131 @@
+"""How the training phase will use device memory, measured rather than guessed, and the choice it
+leads to: recompute activations (gradient checkpointing) only when keeping them does not fit.
+
+Activation memory is measured, not modelled: a probe forward pass at two sequence lengths, under
+the trainer's own precision, counts the bytes autograd saves for backward (`saved_tensors_hooks`),
+once with recompute and once without. The difference between the two lengths is the cost of a
+token; what stays is the per-forward cost that does not grow with tokens (autocast's bf16 weight
+copies). Whatever the model, attention implementation or dtype, the count is what backward will
+hold.
+
+Shapes: P = parameters, T = tokens of one micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ActivationCost:
+    """Bytes autograd keeps for backward: `per_token` x tokens + `fixed`, per forward pass."""
+
+    per_token: float
+    fixed: float
+
+    def bytes_for(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext,
+                        lengths: tuple[int, int] = (32, 64)) -> ActivationCost:
+    """Saved-for-backward bytes of one forward pass of `model` (a HF causal LM, in its current
+    gradient-checkpointing state) under the `precision` context, as a line in the token count.
+    Parameters themselves are not counted (they are resident anyway); tensors saved twice count once.
+    """
+    params = {p.data_ptr() for p in model.parameters()}
+    device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    sizes = []
+    was_training = model.training
+    model.train()
+    try:
+        for n in lengths:
+            seen: dict[tuple[int, int], int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                if t.device == device and t.data_ptr() not in params:
+                    seen[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+                return t
+
+            ids = torch.randint(0, vocab, (1, n), device=device)
+            with torch.enable_grad(), precision(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+            del hidden
+            sizes.append(sum(seen.values()))
+    finally:
+        model.train(was_training)
+    (n0, n1), (b0, b1) = lengths, sizes
+    per_token = (b1 - b0) / (n1 - n0)
+    return ActivationCost(per_token=per_token, fixed=max(0.0, b0 - per_token * n0))
+
+
+@dataclass
+class TrainMemoryPlan:
+    """The training phase's memory, in bytes, and whether it fits in `free` with or without
+    recompute. `resident` is what the trainer already holds (weights, gradients, optimizer state
+    as measured); the activations and the head's workspace come on top during forward/backward."""
+
+    tokens_per_micro_batch: int
+    keep: ActivationCost  # activations kept (no recompute)
+    recompute: ActivationCost  # with gradient checkpointing
+    num_layers: int  # backward rematerialises one layer's activations at a time
+    head_workspace: int  # the fused log-prob head's fp32 logits chunk, forward and backward
+    free: int  # device memory free for the training phase (the engine asleep)
+    margin: float = 0.9  # use at most this share of `free`: fragmentation and temporaries
+
+    def need(self, recompute: bool) -> int:
+        T = self.tokens_per_micro_batch
+        act = self.keep.bytes_for(T)
+        if recompute:
+            act = self.recompute.bytes_for(T) + (act - self.recompute.bytes_for(T)) / self.num_layers
+        return int(act + self.head_workspace)
+
+    def fits(self, recompute: bool) -> bool:
+        return self.need(recompute) <= self.margin * self.free
+
+    def choose_recompute(self) -> tuple[bool, str]:
+        """(recompute?, why) — recompute only when keeping the activations does not fit."""
+        keep, redo = self.need(False), self.need(True)
+        budget = self.margin * self.free
+        if keep <= budget:
+            return False, (f"activations {keep / GIB:.1f} GiB fit in {budget / GIB:.1f} GiB free: "
+                           "no recompute")
+        if redo <= budget:
+            return True, (f"activations {keep / GIB:.1f} GiB exceed {budget / GIB:.1f} GiB free; "
+                          f"with recompute {redo / GIB:.1f} GiB")
+        raise ValueError(
+            f"the training phase needs {redo / GIB:.1f} GiB even with gradient checkpointing "
+            f"({self.tokens_per_micro_batch} tokens a micro-batch) but {budget / GIB:.1f} GiB are "
+            "free; lower per_device_train_batch_size or max_completion_length, or lower "
+            "vllm_gpu_memory_utilization so the engine holds less")
+
+    def format(self) -> str:
+        rows = [("tokens per micro-batch", f"{self.tokens_per_micro_batch:,}"),
+                ("activations, kept", f"{self.need(False) / GIB:.2f} GiB"),
+                ("activations, recomputed", f"{self.need(True) / GIB:.2f} GiB"),
+                ("  of which the log-prob head", f"{self.head_workspace / GIB:.2f} GiB"),
+                ("free for the training phase", f"{self.free / GIB:.2f} GiB")]
+        return "\n".join(f"  {k:<30s} {v}" for k, v in rows)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes the device can still hand out: CUDA's free memory plus what torch's caching allocator
+    holds unused; on a CPU, the host's available memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    import os
+
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def head_workspace_bytes(vocab: int, chunk_rows: int) -> int:
+    """The fused head keeps about three fp32 [chunk, V] buffers alive at once (logits, the
+    filter's or softmax's output, the gradient)."""
+    return 3 * 4 * vocab * chunk_rows
