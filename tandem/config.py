@@ -38,7 +38,7 @@ class EngineConfig:
     max_cudagraph_capture_size: int = 4096
     logprobs_mode: str = "raw_logprobs"
     trust_remote_code: bool = False
-    revision: str | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit (tandem.models.hub)
     attention_backend: str = "auto"  # auto | torch | triton
     # Launch each step before reading back the previous one's tokens (vLLM's async scheduling):
     # None turns it on where the device runs asynchronously to the host (CUDA).

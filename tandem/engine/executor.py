@@ -1,6 +1,8 @@
 """Spawned tensor-parallel ranks for `LLM(..., tensor_parallel_size=N)` used with no process group.
 
-The process that builds the LLM (the driver) becomes rank 0 and spawns ranks 1..N-1. Every rank
+The process that builds the LLM (the driver) becomes rank 0 and starts ranks 1..N-1 (forked while
+CUDA is not initialised in it, as vLLM does, so an unguarded plain script works; spawned after,
+with a warning saying how to guard the script: `start_method`). Every rank
 builds the same engine and runs every call the driver mirrors to it (generate, sleep, wake_up,
 reset_prefix_cache): SPMD, as under torchrun. Same inputs, same seeds and all-gathered logits give
 every rank the same scheduler decisions and the same sampled tokens, so the model's collectives
@@ -71,8 +73,10 @@ def start_workers(config, hf_model=None, tokenizer=None):
     from tandem.parallel.tensor_parallel import validate_tp
 
     source = resolve_model(hf_model if hf_model is not None else config.model, config.load_format,
-                           config.trust_remote_code)
+                           config.trust_remote_code, config.revision)
     validate_tp(source.hf_config, tp)  # fail before spawning anything
+    if hf_model is None and source.path is not None:
+        config.model = source.path  # a hub id resolved once, here; the ranks read the snapshot
     device = resolve_device(config.device, hf_model)
     if device.type == "cuda" and device.index + tp > torch.cuda.device_count():
         raise ValueError(
@@ -91,7 +95,8 @@ def start_workers(config, hf_model=None, tokenizer=None):
                 config.tokenizer = source.tokenizer_path
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_method = "file://" + os.path.join(tmpdir, "rendezvous")
-        ctx = torch.multiprocessing.get_context("spawn")
+        method = start_method()
+        ctx = torch.multiprocessing.get_context(method)
         procs, ready = [], []
         for rank in range(1, tp):
             ev = ctx.Event()
@@ -103,7 +108,7 @@ def start_workers(config, hf_model=None, tokenizer=None):
             ready.append(ev)
         state = _DriverState(procs, tmpdir)
         _DRIVERS.add(state)
-        _wait_ready(procs, ready)
+        _wait_ready(procs, ready, method)
         dist.init_process_group(backend, init_method=init_method, rank=0, world_size=tp,
                                 timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
         state.owns_world = True
@@ -117,13 +122,33 @@ def start_workers(config, hf_model=None, tokenizer=None):
     return TPWorkers(state), None
 
 
-def _wait_ready(procs, ready) -> None:
+def start_method() -> str:
+    """fork while CUDA is not initialised here (a plain script, unguarded, works: the ranks do not
+    re-run it), spawn once it is (CUDA cannot be forked), as vLLM does. TANDEM_WORKER_START_METHOD
+    (fork | spawn) overrides."""
+    forced = os.environ.get("TANDEM_WORKER_START_METHOD")
+    if forced:
+        if forced not in ("fork", "spawn"):
+            raise ValueError(f"TANDEM_WORKER_START_METHOD must be 'fork' or 'spawn', got {forced!r}")
+        return forced
+    if not torch.cuda.is_initialized():
+        return "fork"
+    logger.warning(
+        "CUDA is initialised in this process, so the tensor-parallel ranks start with 'spawn', "
+        "which re-imports the main script: a script that builds LLM(...) at module level must do "
+        "it under `if __name__ == \"__main__\":` (or build the LLM before touching CUDA)")
+    return "spawn"
+
+
+def _wait_ready(procs, ready, method: str = "fork") -> None:
     deadline = time.monotonic() + _STARTUP_TIMEOUT_S
     for rank, (p, ev) in enumerate(zip(procs, ready), start=1):
         while not ev.wait(0.2):
             if not p.is_alive():
+                hint = ("; it was spawned, so it re-imported the main script: build the LLM under "
+                        "`if __name__ == \"__main__\":`" if method == "spawn" else "")
                 raise RuntimeError(f"tensor-parallel rank {rank} exited (code {p.exitcode}) while "
-                                   "starting; its traceback is on stderr")
+                                   f"starting; its traceback is on stderr{hint}")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"tensor-parallel rank {rank} did not start in {_STARTUP_TIMEOUT_S:.0f} s"

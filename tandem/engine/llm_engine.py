@@ -32,7 +32,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None, tokenizer=None):
         self.config = config
         source = resolve_model(model if model is not None else config.model, config.load_format,
-                               config.trust_remote_code)
+                               config.trust_remote_code, config.revision)
         self.hf_config = source.hf_config
         self.max_model_len = self._resolve_max_model_len()
         config.check_model_len(self.max_model_len)

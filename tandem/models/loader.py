@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tandem.models import gguf
+from tandem.models import gguf, hub
 from tandem.models.decoder import DecoderForCausalLM
 from tandem.models.presets import preset_config
 from tandem.models.registry import get_decoder_spec
@@ -35,7 +35,10 @@ class ModelSource:
             raise ValueError("this model has no weights to load; use load_format='dummy'")
 
 
-def resolve_model(model, load_format: str, trust_remote_code: bool = False) -> ModelSource:
+def resolve_model(model, load_format: str, trust_remote_code: bool = False,
+                  revision: str | None = None) -> ModelSource:
+    """Where `model` comes from: an in-memory model, None (the embedded default), a GGUF file, a
+    local directory, a preset architecture (load_format="dummy") or a hub id (`tandem.models.hub`)."""
     from transformers import AutoConfig
 
     if isinstance(model, nn.Module):
@@ -51,6 +54,10 @@ def resolve_model(model, load_format: str, trust_remote_code: bool = False) -> M
         if not os.path.isfile(model):
             raise ValueError(f"model: GGUF file {model!r} does not exist")
         model = str(gguf.converted_dir(Path(model)))
+    if not os.path.isdir(model) and hub.looks_like_repo_id(model) and not (
+        load_format == "dummy" and preset_config(model) is not None
+    ):
+        model = hub.snapshot_dir(model, revision)
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise ValueError(f"model: directory {model!r} has no config.json")
@@ -69,7 +76,7 @@ def resolve_model(model, load_format: str, trust_remote_code: bool = False) -> M
         return ModelSource(hf_config=cfg)
     raise ValueError(
         f"model: {model!r} is not a local directory, a .gguf file or a known architecture name; "
-        "models load from local files only (no hub access)"
+        "a hub id is 'org/name'"
     )
 
 

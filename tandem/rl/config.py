@@ -7,25 +7,42 @@ derives `steps_per_generation` / `generation_batch_size` the way TRL does.
 from __future__ import annotations
 
 import difflib
+import math
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+from tandem.rl import trl_compat
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-LR_SCHEDULERS = ("constant", "linear", "cosine")
+# transformers' get_scheduler names, less reduce_lr_on_plateau (it needs an eval metric).
+LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup", "cosine_with_restarts",
+                 "polynomial", "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                 "warmup_stable_decay")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "sgd", "adagrad", "rmsprop")
 VLLM_MODES = ("colocate", "server")
 REPORT_TO = ("jsonl", "tensorboard")
+STRATEGIES = ("no", "steps", "epoch")  # logging / eval / save, as transformers names them
+FSDP_OPTIONS = ("full_shard", "auto_wrap")  # transformers' fsdp words that FSDP2 per layer is
 
 
+@trl_compat.accepts_trl_fields
 @dataclass
 class GRPOConfig:
-    """GRPO settings. Batch sizes count completions (prompts x num_generations), as in TRL."""
+    """GRPO settings. Batch sizes count completions (prompts x num_generations), as in TRL.
 
-    output_dir: str = "runs/grpo"
+    Also takes every other field of TRL's GRPOConfig / transformers' TrainingArguments
+    (`tandem.rl.trl_compat`): ignored with a warning or refused with a message.
+    """
+
+    output_dir: str | None = "runs/grpo"  # None: "trainer_output", as transformers
     seed: int = 42
+    data_seed: int | None = None  # None: seed; orders the prompts
+    run_name: str | None = None  # recorded in trainer_state.json
+    use_cpu: bool = False  # train on the CPU even where CUDA is present
 
     # How long: max_steps > 0 wins over num_train_epochs (TRL/HF semantics).
     max_steps: int = -1
@@ -47,6 +64,8 @@ class GRPOConfig:
     max_prompt_length: int | None = 512
     max_completion_length: int = 256
     chat_template_kwargs: dict[str, Any] | None = None
+    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained kwargs when model is a name
+    trust_remote_code: bool = False
 
     # Sampling (vLLM SamplingParams semantics: top_k 0 and min_p 0 disable).
     temperature: float = 1.0
@@ -54,11 +73,15 @@ class GRPOConfig:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    generation_kwargs: dict[str, Any] | None = None  # more SamplingParams (stop, ...), as TRL
 
-    # Optimiser and schedule (AdamW).
+    # Optimiser and schedule.
     learning_rate: float = 1e-6
+    optim: str = "adamw_torch"
     lr_scheduler_type: str = "linear"
-    warmup_ratio: float = 0.0
+    lr_scheduler_kwargs: dict[str, Any] | None = None
+    warmup_steps: int | float = 0  # >= 1: steps; in (0, 1): a share of the steps (transformers 5)
+    warmup_ratio: float = 0.0  # used when warmup_steps is 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -66,8 +89,12 @@ class GRPOConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
     max_consecutive_nonfinite_steps: int = 3
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool | None = True  # None: False, as transformers
     bf16: bool | None = None  # None: bf16 where the device supports it, else fp32
+    disable_dropout: bool = False
+    # Accepted for TRL scripts: tandem's logprobs are its own chunked kernel (no [N, V] fp32 copy),
+    # which is what Liger's fused loss saves; Liger itself is not used.
+    use_liger_kernel: bool = False
 
     # Loss.
     beta: float = 0.0  # KL coefficient; 0 means no reference model is kept
@@ -86,30 +113,44 @@ class GRPOConfig:
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_cap: float | None = None  # deprecated in TRL: sets clip_max
 
-    # Generation engine.
+    # Generation engine: always tandem's (use_vllm=False, TRL's transformers generate, warns).
+    use_vllm: bool = True
     vllm_mode: str = "colocate"
     vllm_server_base_url: str | None = None  # vllm_mode="server": the `tandem serve` to push to
+    vllm_server_host: str = "0.0.0.0"  # with vllm_server_port: the URL when base_url is None
+    vllm_server_port: int = 8000
     vllm_server_api_key: str | None = None
     vllm_gpu_memory_utilization: float = 0.3
     vllm_enable_sleep_mode: bool = True
     engine_sleep_level: int = 2  # 1: free KV cache only; 2: also drop engine-only weight copies
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = 1  # only 1 colocated (see _check_engine)
     vllm_max_model_length: int | None = None
 
     # Data parallelism under torchrun. False: every rank keeps a full replica and gradients are
     # all-reduced. True: FSDP2 shards parameters, gradients and optimizer state over the ranks
     # (one unit per decoder layer; transformers' TrainingArguments.fsdp, version 2).
-    fsdp: bool = False
+    fsdp: bool | str | list[str] | None = False  # TrainingArguments' "full_shard [auto_wrap]": True
+
+    # Strategies, as transformers' TrainingArguments has them: "no", "steps" or "epoch". An
+    # interval >= 1 counts optimizer steps; one in (0, 1) is a share of all steps.
+    logging_strategy: str = "steps"
+    logging_first_step: bool = False
+    eval_strategy: str = "no"  # evaluates eval_dataset (greedy, reward functions) when not "no"
+    eval_steps: int | float | None = None  # None: logging_steps
+    eval_delay: float = 0
+    eval_on_start: bool = False
+    save_strategy: str = "steps"  # also: "no" skips the final save_model at the end of train()
 
     # Logging and checkpoints.
-    logging_steps: int = 1
+    logging_steps: int | float = 1
     report_to: list[str] | tuple[str, ...] | str = ("jsonl", "tensorboard")  # or "all", "none"
     log_completions: bool = False
     num_completions_to_print: int | None = 4
-    save_steps: int = 500
+    save_steps: int | float = 500
     save_total_limit: int | None = None
 
     def __post_init__(self) -> None:
+        self._normalise_trl_values()
         self._check_batching()
         self._check_loss()
         self._check_importance_sampling()
@@ -119,6 +160,33 @@ class GRPOConfig:
         self._check_logging()
 
     # ---- checks, one group each ----------------------------------------------------------------
+
+    def _normalise_trl_values(self) -> None:
+        """Values TRL / transformers spell differently, turned into tandem's."""
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = False
+        if self.min_p is None:
+            self.min_p = 0.0
+        if self.top_k is None:
+            self.top_k = 0
+        if not self.use_vllm:
+            warnings.warn(
+                "GRPOConfig: use_vllm=False is ignored: tandem always generates with its own engine "
+                "(vllm_mode picks colocate or server)", UserWarning, stacklevel=4)
+        fsdp = self.fsdp
+        if fsdp is None or isinstance(fsdp, bool):
+            self.fsdp = bool(fsdp)
+        else:
+            words = fsdp.split() if isinstance(fsdp, str) else [str(w) for w in fsdp]
+            other = [w for w in words if w not in FSDP_OPTIONS]
+            if other:
+                raise ValueError(
+                    f"fsdp={fsdp!r}: tandem's FSDP2 fully shards one unit per decoder layer "
+                    f"('full_shard auto_wrap'); {', '.join(map(repr, other))} is not supported"
+                )
+            self.fsdp = bool(words)
 
     def _check_batching(self) -> None:
         _at_least(
@@ -260,6 +328,13 @@ class GRPOConfig:
         _at_least("max_consecutive_nonfinite_steps", self.max_consecutive_nonfinite_steps, 1)
         if self.learning_rate < 0:
             raise ValueError(f"learning_rate must be >= 0, got {self.learning_rate}")
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(
+                _choice_msg("optim", self.optim, OPTIMIZERS)
+                + "; for any other optimizer pass GRPOTrainer(optimizers=(optimizer, scheduler))"
+            )
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
             raise ValueError(
                 _choice_msg("lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULERS)
@@ -283,7 +358,8 @@ class GRPOConfig:
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(_choice_msg("vllm_mode", self.vllm_mode, VLLM_MODES))
         if self.vllm_mode == "server" and not self.vllm_server_base_url:
-            raise ValueError("vllm_mode='server' needs vllm_server_base_url (the `tandem serve` URL)")
+            # As TRL: base_url wins; else host and port.
+            self.vllm_server_base_url = f"http://{self.vllm_server_host}:{self.vllm_server_port}"
         if self.fsdp and self.vllm_mode != "colocate":
             raise ValueError(
                 "fsdp=True shards the colocated data-parallel trainer (each rank's engine gathers "
@@ -300,12 +376,30 @@ class GRPOConfig:
                 f"copies), got {self.engine_sleep_level}"
             )
         _at_least("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size, 1)
+        if self.vllm_tensor_parallel_size != 1:
+            raise ValueError(
+                f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}: the colocated engine "
+                "runs on its trainer rank's GPU (1); for a tensor-parallel engine use "
+                "vllm_mode='server' with `tandem serve --tensor-parallel-size N` on other GPUs"
+            )
         if self.vllm_max_model_length is not None:
             _at_least("vllm_max_model_length", self.vllm_max_model_length, 1)
 
     def _check_logging(self) -> None:
-        _at_least("logging_steps", self.logging_steps, 1)
-        _at_least("save_steps", self.save_steps, 1)
+        for name in ("logging_strategy", "eval_strategy", "save_strategy"):
+            value = getattr(self, name)
+            value = getattr(value, "value", value)  # transformers' IntervalStrategy enums
+            setattr(self, name, value)
+            if name == "save_strategy" and value == "best":
+                raise ValueError(
+                    "save_strategy='best' needs an eval metric to rank checkpoints; tandem has "
+                    "none to pick by: use 'steps' and choose from the eval/reward log")
+            if value not in STRATEGIES:
+                raise ValueError(_choice_msg(name, value, STRATEGIES))
+        if self.eval_steps is None:
+            self.eval_steps = self.logging_steps
+        for name in ("logging_steps", "save_steps", "eval_steps"):
+            _interval(name, getattr(self, name))
         if self.save_total_limit is not None:
             _at_least("save_total_limit", self.save_total_limit, 1, "or None to keep all")
         if self.num_completions_to_print is not None:
@@ -318,6 +412,13 @@ class GRPOConfig:
             report = []
         elif report == ["all"]:
             report = list(REPORT_TO)
+        foreign = [r for r in report if r in trl_compat.FOREIGN_REPORTERS]
+        if foreign:
+            warnings.warn(
+                f"report_to: tandem does not write to {', '.join(foreign)}; metrics go to "
+                f"output_dir/metrics.jsonl (and TensorBoard with report_to='tensorboard')",
+                UserWarning, stacklevel=4)
+            report = [r for r in report if r not in foreign]
         for r in report:
             if r not in REPORT_TO:
                 raise ValueError(_choice_msg("report_to entry", r, REPORT_TO + ("all", "none")))
@@ -336,7 +437,7 @@ class GRPOConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
         """Build from a dict (a saved config, a YAML file); unknown keys are errors naming them."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} | set(trl_compat.FIELDS)
         unknown = sorted(set(values) - known)
         if unknown:
             hints = []
@@ -352,6 +453,20 @@ class GRPOConfig:
         ):
             values["generation_batch_size"] = None
         return cls(**values)
+
+
+def _interval(name: str, value: float) -> None:
+    """A step interval: an integer >= 1, or a share of all steps in (0, 1)."""
+    if value is None or not (value >= 1 and float(value).is_integer() or 0 < value < 1):
+        raise ValueError(
+            f"{name} must be a whole number of steps >= 1 or a share of all steps in (0, 1), "
+            f"got {value}"
+        )
+
+
+def resolve_interval(value: float, total_steps: int) -> int:
+    """Steps between two events for an interval of `_interval`'s kind."""
+    return int(value) if value >= 1 else max(1, math.ceil(value * total_steps))
 
 
 def _at_least(name: str, value: int, minimum: int, hint: str = "") -> None:
