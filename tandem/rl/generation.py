@@ -14,9 +14,9 @@ from tandem.weights.sync import WeightSync
 
 
 class ColocatedGenerator:
-    def __init__(self, llm, model, sleep_level: int | None, weights=None):
+    def __init__(self, llm, model, sleep_level: int | None, weights=None, check=None):
         self.llm = llm
-        self.weight_sync = WeightSync(llm, model, weights)
+        self.weight_sync = WeightSync(llm, model, weights, check)
         self.sleep_level = sleep_level  # None: never sleep
 
     @property

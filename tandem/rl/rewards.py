@@ -1,13 +1,16 @@
 """Reward functions with TRL's signature, and the RewardComputer that applies them.
 
-A reward function is called as `f(prompts=..., completions=..., completion_ids=..., **columns)`
-and returns one `float | None` per completion; None means "does not apply" (it is left out of the
-group statistics, as in TRL). Completions are strings, or for conversational prompts a list with
+A reward function is called as `f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+**columns)` and returns one `float | None` per completion; None means "does not apply" (it is left
+out of the group statistics, as in TRL). `async def` reward functions run concurrently, as in TRL. Completions are strings, or for conversational prompts a list with
 one assistant message dict.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import inspect
 import math
 import re
 import threading
@@ -20,6 +23,7 @@ import torch
 from tandem.rl.answers import answer_region, answers_match, extract_answer, parse_number
 
 RewardFunc = Callable[..., list[float | None]]
+_NOT_RUN = object()  # a function's output not computed yet
 
 __all__ = [
     "RewardComputer",
@@ -281,8 +285,12 @@ class RewardComputer:
             batch[key] = list(values) if isinstance(values, (list, tuple)) else values
         per_func = torch.full((n, len(self.funcs)), float("nan"))
         dropped: dict[str, int] = {}
+        # async functions first, all at once (a remote judge waits on the network, not the CPU)
+        is_async = [_is_async(f) for f in self.funcs]
+        early = iter(_run_async([f for f, a in zip(self.funcs, is_async) if a], batch))
         for j, (f, name) in enumerate(zip(self.funcs, self.names)):
-            values, num_dropped = self._run_one(f, name, batch, n)
+            ran = next(early) if is_async[j] else _NOT_RUN
+            values, num_dropped = self._run_one(_sync(f) if is_async[j] else f, name, batch, n, ran)
             per_func[:, j] = torch.tensor(values, dtype=torch.float32)
             dropped[name] = num_dropped
         weighted = (per_func * self.weights[None, :]).nansum(dim=1)
@@ -290,10 +298,13 @@ class RewardComputer:
         return RewardResult(per_func, weighted, list(self.names), dropped)
 
     def _run_one(
-        self, f: RewardFunc, name: str, batch: dict[str, Any], n: int
+        self, f: RewardFunc, name: str, batch: dict[str, Any], n: int, out: Any = _NOT_RUN
     ) -> tuple[list[float], int]:
         try:
-            out = f(**batch)
+            if out is _NOT_RUN:
+                out = f(**batch)
+            elif isinstance(out, BaseException):  # an async function that raised
+                raise out
         except Exception as exc:  # noqa: BLE001 - any user error gets located and reported
             return self._locate_failures(f, name, batch, n, exc)
         if out is None or not hasattr(out, "__len__") or len(out) != n:
@@ -349,6 +360,41 @@ class RewardComputer:
         if first_bad is None:  # fails only as a batch: nothing usable
             return [math.nan] * n, n
         return values, dropped
+
+
+def _is_async(f: Callable) -> bool:
+    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(getattr(f, "__call__", None))
+
+
+def _run_coro(coro):
+    """Run a coroutine to completion from sync code, also when this thread has a running loop
+    (a notebook): then in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _run_async(funcs: list[Callable], batch: dict[str, Any]) -> list[Any]:
+    """Every async function's output (or the exception it raised), run concurrently."""
+    if not funcs:
+        return []
+
+    async def run_all():
+        return await asyncio.gather(*(f(**batch) for f in funcs), return_exceptions=True)
+
+    return list(_run_coro(run_all()))
+
+
+def _sync(f: Callable) -> Callable:
+    """An async reward function called as a sync one (to locate failing samples one by one)."""
+    def call(**kwargs: Any) -> Any:
+        return _run_coro(f(**kwargs))
+
+    call.__name__ = _func_name(f)
+    return call
 
 
 def _as_reward(v: Any) -> tuple[float, str | None]:

@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,8 +20,11 @@ from pathlib import Path
 import torch
 
 from tandem.engine.gc_pause import frozen_heap
+from tandem.models import hub
+from tandem.rl import callbacks as callbacks_mod
 from tandem.rl import checkpoint as ckpt
-from tandem.rl.config import GRPOConfig
+from tandem.rl import lora
+from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.generation import ColocatedGenerator, ServerGenerator
@@ -33,6 +37,7 @@ from tandem.rl.loss import (
     loss_kwargs_from_config,
     reward_metrics,
 )
+from tandem.rl.reward_models import prepare_reward_funcs
 from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
 from tandem.sampling_params import SamplingParams
@@ -46,29 +51,45 @@ class GRPOTrainer:
     def __init__(
         self,
         model,
-        reward_funcs: Callable | Sequence[Callable],
+        reward_funcs: Callable | str | Sequence[Callable | str],
         args: GRPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
         processing_class=None,
+        reward_processing_classes=None,
+        callbacks: list | None = None,
+        optimizers: tuple = (None, None),
+        peft_config=None,
         engine_kwargs: dict | None = None,
     ):
-        self.args = args = args or GRPOConfig()
+        if args is None:  # as TRL: output_dir named after the model
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = GRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'model'}-GRPO")
+        self.args = args
         if train_dataset is None:
             raise ValueError("train_dataset is required (tandem.rl.data.arithmetic_dataset gives a built-in one)")
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if peft_config is not None and (args.fsdp or args.vllm_mode != "colocate"):
+            raise ValueError("peft_config (LoRA) runs with the colocated engine and fsdp=False; the "
+                             "adapter is small, so every rank keeps a replica")
+        self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
+        self.state = callbacks_mod.make_state(True, args.per_device_train_batch_size, args.num_train_epochs)
+        self.control = callbacks_mod.make_control()
         self.model, self.tokenizer = self._load_model(model, processing_class)
+        if args.disable_dropout:
+            _disable_dropout(self.model)
         # Data parallel under torchrun: each rank trains a replica on its slice of every batch.
         self.dist = DistributedContext.from_environment()
         self.dist.broadcast_params(self.model)
         self.train_dataset = load_prompt_dataset(train_dataset)
         self.eval_dataset = load_prompt_dataset(eval_dataset) if eval_dataset is not None else None
-        self.rewards = RewardComputer(reward_funcs, args.reward_weights)
+        self.rewards = RewardComputer(
+            prepare_reward_funcs(reward_funcs, reward_processing_classes, self.device, args.trust_remote_code),
+            args.reward_weights)
         self.use_bf16 = args.bf16 if args.bf16 is not None else (
             self.device.type == "cuda" and torch.cuda.is_bf16_supported())
         self._check_lengths()
         self.ref_model = None
-        if args.beta != 0.0:
+        if args.beta != 0.0 and peft_config is None:  # with LoRA: the model, adapter disabled
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         if args.gradient_checkpointing and self.device.type == "cuda":
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -76,6 +97,8 @@ class GRPOTrainer:
         self.llm = None
         if args.vllm_mode == "colocate":  # built from the full model, before any sharding
             self.llm = self._build_engine(engine_kwargs or {})
+        if peft_config is not None:  # after the engine: it took the base weights (B = 0: merged)
+            self._apply_peft(peft_config)
         engine_weights = None  # None: the engine reads the (unsharded) model itself
         if args.fsdp:
             from tandem.rl import fsdp  # torch.distributed.fsdp: a second's import, only when used
@@ -88,20 +111,16 @@ class GRPOTrainer:
         else:
             self.reduce_grads = self.dist.all_reduce_grads
             self.clip_grad_norm = lambda params, max_norm: float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon, weight_decay=args.weight_decay,
-        )
+        if peft_config is not None:
+            engine_weights = functools.partial(lora.merged_weights, self.model)
+        optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+        self.optimizer = optimizer if optimizer is not None else self._make_optimizer()
         self.sampler = RepeatSampler(len(self.train_dataset),
                                      batch_size=args.prompts_per_generation * self.dist.world_size,
-                                     shuffle=args.shuffle_dataset, seed=args.seed)
+                                     shuffle=args.shuffle_dataset,
+                                     seed=args.seed if args.data_seed is None else args.data_seed)
         self.max_steps = self._total_steps()
-        from transformers import get_scheduler
-
-        self.scheduler = get_scheduler(
-            args.lr_scheduler_type, self.optimizer,
-            num_warmup_steps=math.ceil(args.warmup_ratio * self.max_steps), num_training_steps=self.max_steps,
-        )
+        self.scheduler = scheduler if scheduler is not None else self._make_scheduler()
         if args.vllm_mode == "server":
             from tandem.rl.server_client import ServerClient
 
@@ -110,10 +129,12 @@ class GRPOTrainer:
             self.generator = ServerGenerator(client, self.model, backend, torch.bfloat16 if self.use_bf16 else None)
         else:
             sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
-            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights)
+            check = None if peft_config is None else functools.partial(lora.check_engine_has_adapter, self.model)
+            self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights, check)
         self.sampling_params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length,
+            **(args.generation_kwargs or {}),
         )
         self.loss_kwargs = loss_kwargs_from_config(args)
         # With top-k/top-p/min-p the engine reports logprobs of the truncated distribution: the
@@ -124,14 +145,43 @@ class GRPOTrainer:
         self._warned_dropped = False
         self.global_step = 0
         self.logger: MetricsLogger | None = None
+        self.callback_handler = callbacks_mod.make_callback_handler(
+            callbacks, self.model, self.tokenizer, self.optimizer, self.scheduler)
+        self.state.is_world_process_zero = self.state.is_local_process_zero = self.dist.is_main
+        self._in_train = False  # train() decides when to log (its callbacks' control)
+        self._completions_to_log = None
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken: the TrainerState's, so callbacks and rewards see the same."""
+        return self.state.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.state.global_step = value
+
+    def add_callback(self, callback) -> None:
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        self.callback_handler.remove_callback(callback)
 
     # -- setup ---------------------------------------------------------------------------------------
     def _load_model(self, model, processing_class):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(model, str):
+            kwargs = dict(self.args.model_init_kwargs or {})
+            for key in ("dtype", "torch_dtype"):  # fp32 master weights; bf16 by autocast
+                kwargs.pop(key, None)
+            kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
             path = model
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if not os.path.isdir(model) and hub.looks_like_repo_id(model):
+                path = hub.snapshot_dir(model, kwargs.pop("revision", None))
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         else:
             path = getattr(model.config, "_name_or_path", None)
         model = model.to(self.device).float().train()  # fp32 master weights; bf16 by autocast
@@ -141,6 +191,37 @@ class GRPOTrainer:
                 raise ValueError("processing_class (the tokenizer) is required for an in-memory model")
             tok = AutoTokenizer.from_pretrained(path)
         return model, tok
+
+    def _apply_peft(self, peft_config) -> None:
+        self.model = lora.apply_peft(self.model, peft_config)
+        self.dist.broadcast_params(self.model)  # the adapters' random init, alike on every rank
+        if self.args.beta != 0.0:
+            self.ref_model = lora.AdapterDisabled(self.model)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        a = self.args
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if a.optim == "sgd":
+            return torch.optim.SGD(params, lr=a.learning_rate, weight_decay=a.weight_decay)
+        if a.optim == "adagrad":
+            return torch.optim.Adagrad(params, lr=a.learning_rate, weight_decay=a.weight_decay)
+        if a.optim == "rmsprop":
+            return torch.optim.RMSprop(params, lr=a.learning_rate, weight_decay=a.weight_decay)
+        fused = {"fused": True} if a.optim == "adamw_torch_fused" and self.device.type == "cuda" else {}
+        return torch.optim.AdamW(params, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
+                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, **fused)
+
+    def _make_scheduler(self):
+        from transformers import get_scheduler
+
+        a = self.args
+        if a.warmup_steps >= 1:
+            warmup = int(a.warmup_steps)
+        else:  # warmup_steps in (0, 1) is a share, as transformers 5 reads it; else warmup_ratio
+            warmup = math.ceil((a.warmup_steps or a.warmup_ratio) * self.max_steps)
+        return get_scheduler(a.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
+                             num_training_steps=self.max_steps,
+                             scheduler_specific_kwargs=a.lr_scheduler_kwargs or {})
 
     def _check_lengths(self) -> None:
         a = self.args
@@ -179,20 +260,75 @@ class GRPOTrainer:
 
     # -- the loop ------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: str | bool | None = None) -> dict:
-        a = self.args
+        """Train to max_steps (or until a callback stops it); log, evaluate and checkpoint as the
+        strategies say (transformers' DefaultFlowCallback decides), then save the model into
+        output_dir unless save_strategy is "no". Returns the last step's metrics."""
+        a, state, handler = self.args, self.state, self.callback_handler
         resume_step = self._resume(resume_from_checkpoint)
         self.logger = MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step) if self.dist.is_main else None
-        last = {}
+        state.max_steps, state.num_train_epochs = self.max_steps, a.num_train_epochs
+        state.logging_steps = resolve_interval(a.logging_steps, self.max_steps)
+        state.eval_steps = resolve_interval(a.eval_steps, self.max_steps)
+        state.save_steps = resolve_interval(a.save_steps, self.max_steps)
+        self._update_epoch()
+        self.control = handler.on_train_begin(a, state, self.control)
+        last: dict = {}
+        self._in_train = True
         try:
             with frozen_heap():  # model, optimizer, engine, data: no full GC pass walks them
-                while self.global_step < self.max_steps:
+                if a.eval_on_start:
+                    self._evaluate_and_log()
+                while self.global_step < self.max_steps and not self.control.should_training_stop:
+                    first = self.global_step + 1
+                    self.control = handler.on_step_begin(a, state, self.control)
                     last = self.step()
-                    if a.save_steps and self.global_step % a.save_steps == 0:
-                        self.save_checkpoint()
+                    self._update_epoch()
+                    self.control = callbacks_mod.steps_of_round(handler, a, state, self.control, first,
+                                                                self.global_step)
+                    if self.sampler.position == self.sampler.batches_per_epoch:  # the epoch's last round
+                        self.control = handler.on_epoch_end(a, state, self.control)
+                    self._log_evaluate_save(last)
         finally:
+            self._in_train = False
             if self.logger is not None:
                 self.logger.close()
+        self.control = handler.on_train_end(a, state, self.control)
+        if a.save_strategy != "no":
+            self.save_model()
         return last
+
+    def _update_epoch(self) -> None:
+        per_epoch = max(1, self.sampler.batches_per_epoch)
+        self.state.epoch = self.sampler.epoch + self.sampler.position / per_epoch
+
+    def _log_evaluate_save(self, metrics: dict) -> None:
+        """What the round's callbacks asked for, at its last step (HF's _maybe_log_save_evaluate)."""
+        c = self.control
+        if c.should_log:
+            c.should_log = False
+            self._log(metrics, self._completions_to_log)
+        if c.should_evaluate:
+            c.should_evaluate = False
+            if self.eval_dataset is not None:
+                self._evaluate_and_log()
+        if c.should_save:
+            c.should_save = False
+            self.save_checkpoint()
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _log(self, metrics: dict, completions=None) -> None:
+        if self.logger is not None:
+            self.logger.log(self.global_step, metrics)
+            if completions is not None:
+                self.logger.log_completions(self.global_step, *completions)
+        logs = callbacks_mod.log_record(self.state, metrics)
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+
+    def _evaluate_and_log(self) -> dict:
+        metrics = self.evaluate()
+        self._log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     def step(self) -> dict:
         """One generation round and the optimizer steps it feeds; returns the logged metrics."""
@@ -209,7 +345,7 @@ class GRPOTrainer:
         marks.append(time.perf_counter())
         prompts = batch.repeated_prompts(a.num_generations)
         local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
-                             **batch.reward_columns(a.num_generations))
+                             trainer_state=self.state, **batch.reward_columns(a.num_generations))
         result = gather_rewards(self.dist, local)  # the global batch's ("batch" scaling needs all)
         rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
         advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
@@ -223,12 +359,12 @@ class GRPOTrainer:
                    **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
                    "engine/weights_version": self.generator.weights_version}
         metrics["time/step"] = sum(v for k, v in times.items())
-        if self.logger is not None and self.global_step % max(1, a.logging_steps) == 0:
-            self.logger.log(self.global_step, metrics)
-            if a.log_completions:
-                self.logger.log_completions(self.global_step, [self.tokenizer.decode(p) for p in rollout.prompt_ids],
-                                            rollout.texts, local.rewards.tolist(), advantages.tolist(),
-                                            a.num_completions_to_print)
+        self._completions_to_log = None if not a.log_completions else (
+            [self.tokenizer.decode(p) for p in rollout.prompt_ids], rollout.texts, local.rewards.tolist(),
+            advantages.tolist(), a.num_completions_to_print)
+        # Inside train() the callbacks' control decides (logging_strategy); a bare step() logs by logging_steps.
+        if not self._in_train and self.logger is not None and self.global_step % max(1, int(a.logging_steps)) == 0:
+            self._log(metrics, self._completions_to_log)
         return metrics
 
     def _train_on(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
@@ -345,15 +481,34 @@ class GRPOTrainer:
         self.generator.sync()
         texts, token_ids = self.generator.greedy(batch.prompt_ids, a.max_completion_length)
         result = self.rewards(batch.prompts, wrap_completions(batch.prompts, texts), token_ids,
-                              **batch.reward_columns(1))
+                              trainer_state=self.state, **batch.reward_columns(1))
         return {f"eval/{k.removeprefix('rewards/')}": v for k, v in result.metrics().items()} | {
             "eval/reward": torch.nanmean(result.rewards).item(), "eval/num_samples": n}
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None) -> str:
+        """The trained model (with LoRA: the adapter, as peft saves it) and the tokenizer, in HF
+        format, into output_dir (default args.output_dir), as transformers' Trainer.save_model."""
+        out = Path(output_dir or self.args.output_dir)
+        model_state = None
+        if self.args.fsdp:
+            from tandem.rl import fsdp
+
+            model_state, _ = fsdp.gather_state_dicts(self.model, self.optimizer)
+        if self.dist.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out, state_dict=model_state)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(out)
+            (out / "training_args.json").write_text(json.dumps(self.args.to_dict(), indent=2, default=str))
+        self.dist.barrier()
+        return str(out)
+
     def save_checkpoint(self):
         """Rank 0 writes (replicas are identical; FSDP shards are gathered to it first); all ranks
         return its path once it is complete."""
         state = {"sampler": self.sampler.state_dict(), "config": self.args.to_dict(),
+                 "log_history": self.state.log_history,
                  "weights_version": self.generator.weights_version, "world_size": self.dist.world_size}
         path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
         model_state = optimizer_state = None
@@ -393,3 +548,9 @@ class GRPOTrainer:
         self.global_step = int(state["global_step"])
         self.generator.mark_stale()
         return self.global_step
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0

@@ -20,10 +20,12 @@ from torch.distributed.tensor import DTensor
 
 class WeightSync:
     def __init__(self, llm, model: torch.nn.Module,
-                 weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None):
+                 weights: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+                 check: Callable[[torch.nn.Module], None] | None = None):
         self.llm = llm
         self.model = model
         self.weights = weights  # None: the engine reads the (unsharded) model itself
+        self.check = check  # a further check of the engine's model (LoRA: an adapted weight)
         self.stale = True  # the engine's weights may differ from the trainer's
         self.num_syncs = 0
 
@@ -65,6 +67,8 @@ class WeightSync:
             ours, rows = local_rows(ours)
             theirs = theirs[rows]
         if torch.equal(ours.to(theirs.dtype), theirs):
+            if self.check is not None:  # LoRA: an adapted weight too (the embedding has no adapter)
+                self.check(self.llm.llm_engine.model)
             return
         bad = int((~torch.isfinite(ours)).sum())
         if bad:
