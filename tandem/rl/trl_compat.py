@@ -95,6 +95,7 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "dataloader_multiprocessing_context": (None, IGNORE, "prompts are read in the training process"),
     "dataloader_in_order": (True, IGNORE, "prompts are read in the training process"),
     "remove_unused_columns": (False, IGNORE, "every dataset column goes to the reward functions"),
+    # (TrainingArguments' default is True, TRL's False: both are silent, see _same)
     "label_names": (None, IGNORE, "GRPO has no labels"),
     "train_sampling_strategy": ("random", IGNORE, "use shuffle_dataset"),
     "group_by_length": (False, IGNORE, "use shuffle_dataset"),
@@ -208,7 +209,7 @@ def split_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> dict[str, Any
             raise TypeError(f"GRPOConfig got an unexpected keyword argument {name!r}{hint}; "
                             "neither tandem's nor TRL's GRPOConfig has that field")
         default, kind, note = FIELDS[name]
-        if _same(value, default):
+        if _same(value, default, name):
             continue
         if kind == REFUSE:
             raise ValueError(f"GRPOConfig: {name}={value!r} is not supported by tandem: {note}")
@@ -221,8 +222,14 @@ def split_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> dict[str, Any
 _EMPTY = (None, "", (), [], {})
 
 
-def _same(value: Any, default: Any) -> bool:
+# Fields whose TrainingArguments default differs from TRL's: either is a default.
+_BOTH_DEFAULTS = {"remove_unused_columns": (True, False)}
+
+
+def _same(value: Any, default: Any, name: str = "") -> bool:
     """Is `value` the default (None, "", [] and {} all mean "unset")?"""
+    if name in _BOTH_DEFAULTS and value in _BOTH_DEFAULTS[name]:
+        return True
     try:
         if value == default:
             return True
