@@ -4,7 +4,8 @@ and DefaultFlowCallback deciding when to log, evaluate and save, as in transform
 One generation round feeds several optimizer steps (num_iterations x steps_per_generation /
 gradient_accumulation_steps); the callbacks see `on_step_begin` / `on_step_end` once per optimizer
 step, after the round, each with its own `state.global_step`. Log, evaluate and save happen once
-per round, at its last step, if any of its steps asked for them. `on_pre_optimizer_step`,
+per round, at its last step, if any of its steps asked for them; so does a stop
+(`control.should_training_stop`): the round's steps have all been taken. `on_pre_optimizer_step`,
 `on_optimizer_step` and `on_substep_end` are not called.
 """
 
@@ -45,8 +46,6 @@ def steps_of_round(handler, args, state, control, first: int, last: int):
                 setattr(control, k, getattr(control, k) or v)
         state.global_step = step
         control = handler.on_step_end(args, state, control)
-        if control.should_training_stop:
-            break
     state.global_step = last
     return control
 
