@@ -30,8 +30,14 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
                       max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
                       engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
                       **batching(cfg))
+    peft_config = None
+    if cfg.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear")
+    torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
-                          engine_kwargs={"max_num_seqs": 256})
+                          engine_kwargs={"max_num_seqs": 256}, peft_config=peft_config)
     trainer.step()  # warm-up
     steps, spans = [], []
     with GpuMonitor() as mon:
@@ -49,6 +55,7 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     # which phase leaves the GPU idle (NVML utilization of the samples inside each phase)
     out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in PHASES}
     out["engine_memory"] = trainer.llm.memory_report()
+    out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # trainer + engine
     del trainer, model
     return out
 
@@ -142,7 +149,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s)
     p.add_argument("--cpu-kv-cache-space-gib", type=float, default=d.cpu_kv_cache_space_gib)
     for f in ("num_prompts", "num_generations", "prompt_len", "completion_len", "micro_batch", "steps",
-              "sleep_level", "seed"):
+              "sleep_level", "seed", "lora_r"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing)

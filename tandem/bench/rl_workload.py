@@ -30,6 +30,7 @@ class RLBenchConfig:
     cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
     sleep_level: int = 2  # GRPOConfig.engine_sleep_level: the trainer brings the weights back
     gradient_checkpointing: bool = True
+    lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
     seed: int = 0
     output: str | None = None
 

@@ -84,6 +84,21 @@ def check_engine_has_adapter(peft_model: nn.Module, engine_model: nn.Module) -> 
                            "trainer's merged LoRA weight")
 
 
+def load_adapter(peft_model: nn.Module, path) -> None:
+    """Restore the adapter weights a checkpoint's `save_pretrained` wrote."""
+    from pathlib import Path
+
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = Path(path) / "adapter_model.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no adapter_model.safetensors (was it written with peft_config?)")
+    result = set_peft_model_state_dict(peft_model, load_file(str(file)))
+    if getattr(result, "unexpected_keys", None):
+        raise RuntimeError(f"{path}: adapter does not fit the model: {result.unexpected_keys[:5]}")
+
+
 class AdapterDisabled(nn.Module):
     """The reference policy under LoRA: the same model with its adapter switched off (no copy)."""
 

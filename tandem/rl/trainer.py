@@ -71,6 +71,9 @@ class GRPOTrainer:
         if peft_config is not None and (args.fsdp or args.vllm_mode != "colocate"):
             raise ValueError("peft_config (LoRA) runs with the colocated engine and fsdp=False; the "
                              "adapter is small, so every rank keeps a replica")
+        if args.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset (or eval_strategy='no')")
+        self.peft = peft_config is not None
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
         self.state = callbacks_mod.make_state(True, args.per_device_train_batch_size, args.num_train_epochs)
         self.control = callbacks_mod.make_control()
@@ -542,6 +545,9 @@ class GRPOTrainer:
             weights = ckpt.read_model_weights(path) if self.dist.is_main else {}
             optim = torch.load(Path(path) / ckpt.OPTIMIZER, map_location="cpu", weights_only=True) if self.dist.is_main else {}
             fsdp.scatter_state_dicts(self.model, self.optimizer, weights, optim)
+        elif self.peft:  # the checkpoint holds the adapter, as peft saves it
+            state = ckpt.load_checkpoint(path, None, self.optimizer, self.scheduler)
+            lora.load_adapter(self.model, path)
         else:
             state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(state["sampler"])

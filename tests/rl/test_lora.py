@@ -94,3 +94,17 @@ def test_tiny_model_learns_with_lora(tmp_path):
     assert last > first + 0.2, rewards
     out = trainer.save_model(str(tmp_path / "adapter"))
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file(), out
+
+
+def test_a_lora_run_resumes_exactly(tmp_path):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL_LINEARS)
+    straight = make(tmp_path / "a", config, max_steps=6)
+    straight.step()
+    path = straight.save_checkpoint()
+    assert (path / "adapter_model.safetensors").is_file()
+    expected = straight.step()
+    resumed = make(tmp_path / "b", config, max_steps=6)
+    resumed._resume(str(path))
+    got = resumed.step()
+    assert got["reward"] == pytest.approx(expected["reward"], abs=1e-6)
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
