@@ -30,7 +30,7 @@ def snapshot_dir(repo_id: str, revision: str | None = None) -> str:
                                      allow_patterns=_PATTERNS + ["pytorch_model*.bin"])
     except HFValidationError as exc:
         raise ValueError(f"model: {repo_id!r} is not a valid hub id: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - offline miss, unknown repo, gated, no network
+    except Exception as exc:
         from huggingface_hub import constants
 
         where = f"cache {constants.HF_HUB_CACHE}"

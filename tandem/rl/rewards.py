@@ -363,7 +363,8 @@ class RewardComputer:
 
 
 def _is_async(f: Callable) -> bool:
-    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(getattr(f, "__call__", None))
+    call = type(f).__dict__.get("__call__")  # a callable object with `async def __call__`
+    return inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(call)
 
 
 def _run_coro(coro):

@@ -29,8 +29,8 @@ _NO_EVAL_METRIC = (
 FIELDS: dict[str, tuple[Any, str, str]] = {
     # ---- transformers TrainingArguments --------------------------------------------------------
     "optim_args": (None, REFUSE, "pass the optimizer yourself: GRPOTrainer(optimizers=(opt, None))"),
-    "optim_target_modules": (None, REFUSE, "GaLore/APOLLO optimizers are not supported; use optim="
-                             "'adamw_torch' or optimizers=(opt, None)"),
+    "optim_target_modules": (None, REFUSE, ("GaLore/APOLLO optimizers are not supported; use optim="
+                             "'adamw_torch' or optimizers=(opt, None)")),
     "average_tokens_across_devices": (True, IGNORE, "the dapo loss always counts every rank's tokens"),
     "label_smoothing_factor": (0.0, REFUSE, "label smoothing has no meaning for a policy-gradient loss"),
     "bf16_full_eval": (False, IGNORE, "evaluation generates with the engine in its own dtype"),
@@ -107,8 +107,8 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "ddp_backend": (None, IGNORE, "nccl on GPUs, gloo on CPUs"),
     "ddp_timeout": (1800, IGNORE, "torchrun's default timeout applies"),
     "fsdp_config": (None, IGNORE, "fsdp=True always wraps each decoder layer (FSDP2)"),
-    "deepspeed": (None, REFUSE, "use torchrun with fsdp=True (FSDP2 shards parameters, gradients "
-                  "and optimizer state like ZeRO-3)"),
+    "deepspeed": (None, REFUSE, ("use torchrun with fsdp=True (FSDP2 shards parameters, gradients "
+                  "and optimizer state like ZeRO-3)")),
     "debug": ("", IGNORE, "no debug modes"),
     "skip_memory_metrics": (True, IGNORE, "memory is measured by `tandem bench rl`"),
     "do_train": (False, IGNORE, "not used by the Trainer itself"),
@@ -134,24 +134,24 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "pad_to_multiple_of": ("auto", IGNORE, "the engine packs sequences without padding"),
     "cache_implementation": (None, IGNORE, "the engine keeps its own paged KV cache"),
     "vllm_model_impl": ("vllm", IGNORE, "the engine is tandem's"),
-    "vllm_structured_outputs_regex": (None, REFUSE, "structured outputs are not supported; reward "
-                                      "the format with a reward function instead"),
-    "vllm_guided_decoding_regex": (None, REFUSE, "structured outputs are not supported; reward "
-                                   "the format with a reward function instead"),
+    "vllm_structured_outputs_regex": (None, REFUSE, ("structured outputs are not supported; reward "
+                                      "the format with a reward function instead")),
+    "vllm_guided_decoding_regex": (None, REFUSE, ("structured outputs are not supported; reward "
+                                   "the format with a reward function instead")),
     "vllm_server_timeout": (240.0, IGNORE, "the server client waits for the server's own answer"),
     "vllm_group_port": (51216, IGNORE, "the weight-push group rendezvous is chosen by the server"),
-    "delta": (None, REFUSE, "two-sided clipping (INTELLECT-2's delta) is not implemented; use "
-              "epsilon / epsilon_high"),
+    "delta": (None, REFUSE, ("two-sided clipping (INTELLECT-2's delta) is not implemented; use "
+              "epsilon / epsilon_high")),
     "sapo_temperature_neg": (1.05, IGNORE, "only used by loss_type='sapo', which tandem lacks"),
     "sapo_temperature_pos": (1.0, IGNORE, "only used by loss_type='sapo', which tandem lacks"),
     "vespo_k_pos": (2.0, IGNORE, "only used by loss_type='vespo', which tandem lacks"),
     "vespo_lambda_pos": (3.0, IGNORE, "only used by loss_type='vespo', which tandem lacks"),
     "vespo_k_neg": (3.0, IGNORE, "only used by loss_type='vespo', which tandem lacks"),
     "vespo_lambda_neg": (2.0, IGNORE, "only used by loss_type='vespo', which tandem lacks"),
-    "multi_objective_aggregation": ("sum_then_normalize", REFUSE, "tandem sums the weighted "
-                                    "rewards, then normalises (sum_then_normalize)"),
-    "sync_ref_model": (False, REFUSE, "TR-DPO reference syncing is not implemented; beta > 0 keeps "
-                       "the initial model as reference"),
+    "multi_objective_aggregation": ("sum_then_normalize", REFUSE, ("tandem sums the weighted "
+                                    "rewards, then normalises (sum_then_normalize)")),
+    "sync_ref_model": (False, REFUSE, ("TR-DPO reference syncing is not implemented; beta > 0 keeps "
+                       "the initial model as reference")),
     "ref_model_mixup_alpha": (0.6, IGNORE, "only used with sync_ref_model=True"),
     "ref_model_sync_steps": (512, IGNORE, "only used with sync_ref_model=True"),
     "top_entropy_quantile": (1.0, REFUSE, "entropy masking is not implemented; leave it at 1.0"),
@@ -162,15 +162,15 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "entropy_coef_delta": (0.005, IGNORE, "only used with use_adaptive_entropy=True"),
     "entropy_target": (0.2, IGNORE, "only used with use_adaptive_entropy=True"),
     "max_tool_calling_iterations": (None, REFUSE, "tool calling during rollouts is not supported"),
-    "off_policy_mask_threshold": (None, REFUSE, "off-policy sequence masking is not implemented; "
+    "off_policy_mask_threshold": (None, REFUSE, ("off-policy sequence masking is not implemented; "
                                   "vllm_importance_sampling_mode='sequence_mask' masks by the "
-                                  "engine/trainer ratio"),
+                                  "engine/trainer ratio")),
     "use_bias_correction_kl": (True, IGNORE, "the KL term is k3 on the trainer's own samples"),
     "log_multimodal": (True, IGNORE, "text-only"),
     "log_unique_prompts": (False, IGNORE, "completions.jsonl holds every prompt"),
     "wandb_log_unique_prompts": (False, IGNORE, "tandem does not report to wandb"),
-    "log_completions_hub_repo": (None, REFUSE, "completions are written to "
-                                 "output_dir/completions.jsonl; upload that file yourself"),
+    "log_completions_hub_repo": (None, REFUSE, ("completions are written to "
+                                 "output_dir/completions.jsonl; upload that file yourself")),
     "use_transformers_continuous_batching": (False, IGNORE, "the engine generates"),
     "transformers_continuous_batching_config": (None, IGNORE, "the engine generates"),
     "use_transformers_paged": (False, IGNORE, "the engine generates"),

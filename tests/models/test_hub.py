@@ -57,7 +57,7 @@ def test_llm_takes_a_hub_id_from_the_cache_offline(two_revisions, tmp_path):
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     r = subprocess.run([sys.executable, "-c", SCRIPT, dirs["main"][1]], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, check=False, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 

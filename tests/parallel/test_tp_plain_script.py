@@ -20,7 +20,7 @@ def test_offline_inference_example_with_tp2_runs_unguarded(tiny_llama_dir, tmp_p
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env.pop("TANDEM_WORKER_START_METHOD", None)
     r = subprocess.run([sys.executable, str(script), tiny_llama_dir], env=env, cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, check=False, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith("Prompt: ")]
     assert len(lines) == 2 and "Generated: " in lines[0], r.stdout

@@ -10,8 +10,7 @@ from datasets import Dataset
 from model_fixtures import make_tiny_model, make_tokenizer
 
 from tandem import LLM, SamplingParams
-from tandem.rl import GRPOConfig, GRPOTrainer
-from tandem.rl import lora
+from tandem.rl import GRPOConfig, GRPOTrainer, lora
 
 peft = pytest.importorskip("peft")
 

@@ -6,8 +6,7 @@ import warnings
 
 import pytest
 
-from tandem.rl import GRPOConfig
-from tandem.rl import trl_compat
+from tandem.rl import GRPOConfig, trl_compat
 
 
 def _defaults(cls) -> dict:
