@@ -153,4 +153,5 @@ def gather_rewards(ctx: DistributedContext, local: RewardResult) -> RewardResult
         return local
     dropped = ctx.sum_dicts({k: float(v) for k, v in local.num_dropped.items()})
     return RewardResult(ctx.all_gather(local.rewards_per_func), ctx.all_gather(local.rewards),
-                        list(local.names), {k: int(v) for k, v in dropped.items()})
+                        list(local.names), {k: int(v) for k, v in dropped.items()},
+                        local.logged, local.extra_columns)  # log_metric values: this rank's

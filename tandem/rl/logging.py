@@ -99,13 +99,15 @@ class MetricsLogger:
         rewards: Sequence[float],
         advantages: Sequence[float] | None = None,
         num_to_print: int | None = 4,
+        extra: dict[str, Sequence[Any]] | None = None,
     ) -> None:
-        """Append every (prompt, completion, reward) to completions.jsonl; print a few."""
+        """Append every (prompt, completion, reward) to completions.jsonl, with any `extra`
+        columns (a reward function's log_extra); print a few."""
         if self._completions is None:
             path = os.path.join(self.output_dir, COMPLETIONS_FILE)
             self._completions = open(path, "a", encoding="utf-8")  # noqa: SIM115
         advantages = advantages if advantages is not None else [None] * len(prompts)
-        for p, c, r, a in zip(prompts, completions, rewards, advantages):
+        for i, (p, c, r, a) in enumerate(zip(prompts, completions, rewards, advantages)):
             row = {
                 "step": step,
                 "prompt": p,
@@ -113,6 +115,7 @@ class MetricsLogger:
                 "reward": _to_float(r),
                 "advantage": _to_float(a),
             }
+            row.update({k: v[i] for k, v in (extra or {}).items() if i < len(v)})
             self._completions.write(json.dumps(row) + "\n")
         self._completions.flush()
         if self.console is not None and num_to_print:

@@ -14,6 +14,7 @@ import inspect
 import math
 import re
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,6 +218,8 @@ class RewardResult:
     rewards: torch.Tensor  # [N] weighted sum over functions; NaN if none applied
     names: list[str]
     num_dropped: dict[str, int] = field(default_factory=dict)
+    logged: dict[str, list[float]] = field(default_factory=dict)  # from log_metric(name, value)
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)  # from log_extra(column, values)
 
     def metrics(self) -> dict[str, float]:
         out = {}
@@ -225,6 +228,8 @@ class RewardResult:
             out[f"rewards/{name}/mean"] = torch.nanmean(col).item()
             if self.num_dropped.get(name):
                 out[f"rewards/{name}/num_dropped"] = float(self.num_dropped[name])
+        for name, values in self.logged.items():  # as TRL: averaged, under the name given
+            out[name] = sum(values) / len(values)
         return out
 
 
@@ -283,6 +288,11 @@ class RewardComputer:
             if isinstance(values, (list, tuple)) and len(values) != n:
                 raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
             batch[key] = list(values) if isinstance(values, (list, tuple)) else values
+        # As TRL: a reward function may log a scalar or extra completion-table columns.
+        logged: dict[str, list[float]] = {}
+        extra: dict[str, list[Any]] = {}
+        batch.setdefault("log_metric", lambda name, value: logged.setdefault(name, []).append(float(value)))
+        batch.setdefault("log_extra", lambda column, values: extra.setdefault(column, []).extend(values))
         per_func = torch.full((n, len(self.funcs)), float("nan"))
         dropped: dict[str, int] = {}
         # async functions first, all at once (a remote judge waits on the network, not the CPU)
@@ -294,8 +304,14 @@ class RewardComputer:
             per_func[:, j] = torch.tensor(values, dtype=torch.float32)
             dropped[name] = num_dropped
         weighted = (per_func * self.weights[None, :]).nansum(dim=1)
-        weighted[torch.isnan(per_func).all(dim=1)] = float("nan")
-        return RewardResult(per_func, weighted, list(self.names), dropped)
+        unscored = torch.isnan(per_func).all(dim=1)
+        weighted[unscored] = float("nan")
+        if unscored.any():
+            i = int(unscored.nonzero()[0, 0])
+            warnings.warn(f"every reward function returned None for {int(unscored.sum())} of {n} completions "
+                          f"(the first: sample {i}, completion {str(batch['completions'][i])[:80]!r}); they get "
+                          "advantage 0", UserWarning, stacklevel=2)
+        return RewardResult(per_func, weighted, list(self.names), dropped, logged, extra)
 
     def _run_one(
         self, f: RewardFunc, name: str, batch: dict[str, Any], n: int, out: Any = _NOT_RUN

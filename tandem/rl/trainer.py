@@ -364,7 +364,7 @@ class GRPOTrainer:
         metrics["time/step"] = sum(v for k, v in times.items())
         self._completions_to_log = None if not a.log_completions else (
             [self.tokenizer.decode(p) for p in rollout.prompt_ids], rollout.texts, local.rewards.tolist(),
-            advantages.tolist(), a.num_completions_to_print)
+            advantages.tolist(), a.num_completions_to_print, local.extra_columns)
         # Inside train() the callbacks' control decides (logging_strategy); a bare step() logs by logging_steps.
         if not self._in_train and self.logger is not None and self.global_step % max(1, int(a.logging_steps)) == 0:
             self._log(metrics, self._completions_to_log)
@@ -552,6 +552,7 @@ class GRPOTrainer:
             state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
         self.global_step = int(state["global_step"])
+        self.state.log_history = list(state.get("log_history", []))
         self.generator.mark_stale()
         return self.global_step
 

@@ -100,3 +100,19 @@ def test_none_rewards_async_rewards_and_what_rewards_receive(tmp_path):
     assert torch.isfinite(torch.tensor(m["loss"]))
     trainer.step()
     assert seen["step"] == 1  # the TrainerState moves with the optimizer steps
+
+
+def test_log_metric_and_log_extra_as_trl_passes_them(tmp_path):
+    def scored(completions, log_metric, log_extra, **kw):
+        log_metric("judge/latency", 2.0)
+        log_extra("judge_note", [f"n{i}" for i in range(len(completions))])
+        return [1.0] * len(completions)
+
+    trainer = make(tmp_path, scored)
+    trainer.args.log_completions = True
+    trainer.train()
+    assert trainer.state.log_history[0]["judge/latency"] == 2.0
+    import json
+
+    rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert rows[0]["judge_note"] == "n0"
