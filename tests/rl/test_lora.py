@@ -107,3 +107,28 @@ def test_a_lora_run_resumes_exactly(tmp_path):
     got = resumed.step()
     assert got["reward"] == pytest.approx(expected["reward"], abs=1e-6)
     assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+
+
+@pytest.mark.gpu
+def test_lora_sync_on_the_gpu_in_bf16_equals_a_fresh_engine(tmp_path):
+    """On CUDA: the merged weights go device to device in bf16; greedy equals a fresh bf16 engine."""
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL_LINEARS, init_lora_weights=False)
+    cfg = {"output_dir": str(tmp_path), "num_generations": 8, "per_device_train_batch_size": 16,
+           "max_completion_length": 8, "max_prompt_length": 32, "learning_rate": 1e-2, "max_steps": 4,
+           "report_to": "none", "save_strategy": "no", "bf16": True, "seed": 0,
+           "vllm_gpu_memory_utilization": 0.1}
+    trainer = GRPOTrainer(make_tiny_model("llama", seed=3), target_share, GRPOConfig(**cfg),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                          processing_class=make_tokenizer(), peft_config=config)
+    for _ in range(2):
+        trainer.step()
+    trainer.generator.sync()
+    prompt_ids = [trainer.tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
+    got = trainer.generator.greedy(prompt_ids, 8)[1]
+    merged = copy.deepcopy(trainer.model).merge_and_unload()
+    fresh = LLM(merged, tokenizer=trainer.tokenizer, dtype="bfloat16", max_model_len=64,
+                gpu_memory_utilization=0.1)
+    want = [o.outputs[0].token_ids for o in fresh.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False)]
+    assert [list(g) for g in got] == [list(w) for w in want]
