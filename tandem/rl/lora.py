@@ -109,3 +109,10 @@ class AdapterDisabled(nn.Module):
     def forward(self, *args, **kwargs):
         with self.peft_model.disable_adapter():
             return self.peft_model(*args, **kwargs)
+
+    # The log-prob scorer swaps the lm_head for one forward (tandem.rl.logprobs).
+    def get_output_embeddings(self):
+        return self.peft_model.get_output_embeddings()
+
+    def set_output_embeddings(self, head) -> None:
+        self.peft_model.set_output_embeddings(head)

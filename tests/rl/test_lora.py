@@ -132,3 +132,12 @@ def test_lora_sync_on_the_gpu_in_bf16_equals_a_fresh_engine(tmp_path):
         [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(temperature=0, max_tokens=8),
         use_tqdm=False)]
     assert [list(g) for g in got] == [list(w) for w in want]
+
+
+def test_lora_with_kl_uses_the_model_with_its_adapter_off_as_reference(tmp_path):
+    trainer = make(tmp_path, peft.LoraConfig(r=4, target_modules=ALL_LINEARS), beta=0.1, max_steps=4)
+    assert isinstance(trainer.ref_model, lora.AdapterDisabled)
+    first = trainer.step()  # B starts at 0: the policy is the reference
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)
+    second = trainer.step()
+    assert second["kl"] > 0.0
