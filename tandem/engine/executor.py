@@ -77,7 +77,12 @@ def start_workers(config, hf_model=None, tokenizer=None):
     validate_tp(source.hf_config, tp)  # fail before spawning anything
     if hf_model is None and source.path is not None:
         config.model = source.path  # a hub id resolved once, here; the ranks read the snapshot
-    device = resolve_device(config.device, hf_model)
+    # Before the ranks start, CUDA must stay uninitialised here for them to be forked
+    # (resolve_device's current_device() would initialise it).
+    if hf_model is None:
+        device = _device_without_cuda_init(config.device)
+    else:
+        device = resolve_device(config.device, hf_model)
     if device.type == "cuda" and device.index + tp > torch.cuda.device_count():
         raise ValueError(
             f"tensor_parallel_size={tp} on {device} needs GPUs {device.index}.."
@@ -120,6 +125,18 @@ def start_workers(config, hf_model=None, tokenizer=None):
             shutil.rmtree(tmpdir, ignore_errors=True)
         raise
     return TPWorkers(state), None
+
+
+def _device_without_cuda_init(device: str) -> torch.device:
+    """resolve_device for a model named by path, without creating a CUDA context."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but no CUDA GPU is available; use 'cpu' or 'auto'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+    return dev
 
 
 def start_method() -> str:
