@@ -37,6 +37,7 @@ from tandem.rl.loss import (
     loss_kwargs_from_config,
     reward_metrics,
 )
+from tandem.rl.optim import build_optimizer, build_scheduler
 from tandem.rl.reward_models import prepare_reward_funcs
 from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
@@ -117,13 +118,13 @@ class GRPOTrainer:
         if peft_config is not None:
             engine_weights = functools.partial(lora.merged_weights, self.model)
         optimizer, scheduler = optimizers if optimizers is not None else (None, None)
-        self.optimizer = optimizer if optimizer is not None else self._make_optimizer()
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, args, self.device)
         self.sampler = RepeatSampler(len(self.train_dataset),
                                      batch_size=args.prompts_per_generation * self.dist.world_size,
                                      shuffle=args.shuffle_dataset,
                                      seed=args.seed if args.data_seed is None else args.data_seed)
         self.max_steps = self._total_steps()
-        self.scheduler = scheduler if scheduler is not None else self._make_scheduler()
+        self.scheduler = scheduler if scheduler is not None else build_scheduler(self.optimizer, args, self.max_steps)
         if args.vllm_mode == "server":
             from tandem.rl.server_client import ServerClient
 
@@ -200,31 +201,6 @@ class GRPOTrainer:
         self.dist.broadcast_params(self.model)  # the adapters' random init, alike on every rank
         if self.args.beta != 0.0:
             self.ref_model = lora.AdapterDisabled(self.model)
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        a = self.args
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if a.optim == "sgd":
-            return torch.optim.SGD(params, lr=a.learning_rate, weight_decay=a.weight_decay)
-        if a.optim == "adagrad":
-            return torch.optim.Adagrad(params, lr=a.learning_rate, weight_decay=a.weight_decay)
-        if a.optim == "rmsprop":
-            return torch.optim.RMSprop(params, lr=a.learning_rate, weight_decay=a.weight_decay)
-        fused = {"fused": True} if a.optim == "adamw_torch_fused" and self.device.type == "cuda" else {}
-        return torch.optim.AdamW(params, lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2),
-                                 eps=a.adam_epsilon, weight_decay=a.weight_decay, **fused)
-
-    def _make_scheduler(self):
-        from transformers import get_scheduler
-
-        a = self.args
-        if a.warmup_steps >= 1:
-            warmup = int(a.warmup_steps)
-        else:  # warmup_steps in (0, 1) is a share, as transformers 5 reads it; else warmup_ratio
-            warmup = math.ceil((a.warmup_steps or a.warmup_ratio) * self.max_steps)
-        return get_scheduler(a.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
-                             num_training_steps=self.max_steps,
-                             scheduler_specific_kwargs=a.lr_scheduler_kwargs or {})
 
     def _check_lengths(self) -> None:
         a = self.args
