@@ -135,8 +135,8 @@ class GRPOTrainer:
             sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
             check = None if peft_config is None else functools.partial(lora.check_engine_has_adapter, self.model)
             self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights, check)
-        sampling = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                        repetition_penalty=args.repetition_penalty, max_tokens=args.max_completion_length)
+        sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                    "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length}
         try:  # generation_kwargs: more SamplingParams, as TRL hands them to vLLM
             self.sampling_params = SamplingParams(**{**sampling, **(args.generation_kwargs or {})})
         except TypeError as exc:
