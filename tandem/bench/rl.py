@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import statistics
 import time
 from dataclasses import asdict
@@ -18,6 +19,7 @@ from dataclasses import asdict
 import torch
 
 from tandem.bench.rl_workload import RLBenchConfig, batching, even_token_reward, model_and_data
+from tandem.bench.roofline import H200_BF16_FLOPS
 
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
@@ -54,13 +56,21 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     out["gpu"] = mon.summary()
     # which phase leaves the GPU idle (NVML utilization of the samples inside each phase)
     out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in PHASES}
+    # The train phase's model FLOPs utilisation: 6 N FLOPs a token (forward and backward; a
+    # recomputed forward is not useful work), N the parameters (a tied head counted once).
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    train_tokens = cfg.num_prompts * cfg.num_generations * (cfg.prompt_len + cfg.completion_len)
+    out["train_mfu"] = 6 * n_params * train_tokens / out["breakdown_s"]["train"] / H200_BF16_FLOPS
+    out["train_memory"] = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")}
     out["engine_memory"] = trainer.llm.memory_report()
     out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # trainer + engine
     del trainer, model
     return out
 
 
-def run_trl(cfg: RLBenchConfig) -> dict:
+def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
+    """TRL's GRPOTrainer without vLLM: its defaults, or (`fast`) its fastest settings that run
+    here: Liger's fused loss where liger-kernel is installed, no recompute."""
     from transformers import TrainerCallback
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
@@ -69,6 +79,9 @@ def run_trl(cfg: RLBenchConfig) -> dict:
 
     model, tok, data = model_and_data(cfg)
     kwargs = batching(cfg)
+    if fast:
+        kwargs["gradient_checkpointing"] = False
+        kwargs["use_liger_kernel"] = importlib.util.find_spec("liger_kernel") is not None
     args = TRLConfig(output_dir="/tmp/trl-bench-rl", report_to="none", save_strategy="no", use_vllm=False,
                      disable_dropout=True, **kwargs)
     walls: list[float] = []
@@ -91,6 +104,7 @@ def run_trl(cfg: RLBenchConfig) -> dict:
     steady = walls[1:]
     out = _summary([{"wall": w} for w in steady], cfg)
     out["gpu"] = mon.summary()
+    out["liger"] = bool(kwargs.get("use_liger_kernel"))
     del trainer, model
     return out
 
@@ -113,21 +127,32 @@ def run(cfg: RLBenchConfig) -> dict:
         raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU")
     results = {}
     for name in [c for c in cfg.compare.split(",") if c] + ["tandem"]:
-        if name not in ("trl", "tandem"):
-            raise ValueError(f"compare must be 'trl' or 'colocate,server', got {name!r}")
-        results[name] = run_trl(cfg) if name == "trl" else run_tandem(cfg)
+        if name not in ("trl", "trl-fast", "tandem"):
+            raise ValueError(f"compare must name 'trl' and/or 'trl-fast', or be 'colocate,server'; got {name!r}")
+        results[name] = run_tandem(cfg) if name == "tandem" else run_trl(cfg, fast=name == "trl-fast")
         gc.collect()
         torch.cuda.empty_cache()
-    print(f"{'trainer':<8} {'s/step':>8} {'completion tok/s':>17} {'GPU util':>9}")
+    print(f"{'trainer':<9} {'s/step':>8} {'completion tok/s':>17} {'GPU util':>9}")
     for name, r in results.items():
         busy = r["gpu"].get("util_mean") if r["gpu"].get("available") else None
         busy_s = f"{busy:.0f}%" if busy is not None else "-"
-        print(f"{name:<8} {r['step_s_median']:>8.2f} {r['completion_tokens_per_s']:>17,.0f} {busy_s:>9}")
+        print(f"{name:<9} {r['step_s_median']:>8.2f} {r['completion_tokens_per_s']:>17,.0f} {busy_s:>9}")
     if "trl" in results:
         results["speedup_vs_trl"] = results["trl"]["step_s_median"] / results["tandem"]["step_s_median"]
         print(f"tandem step is {results['speedup_vs_trl']:.1f}x faster than TRL (use_vllm=False)")
+    if "trl-fast" in results:
+        results["speedup_vs_trl_fast"] = results["trl-fast"]["step_s_median"] / results["tandem"]["step_s_median"]
+        print(f"tandem step is {results['speedup_vs_trl_fast']:.1f}x faster than TRL's fastest settings here "
+              f"(no recompute, Liger {'on' if results['trl-fast']['liger'] else 'not installed'})")
     if "breakdown_s" in results.get("tandem", {}):
         print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results["tandem"]["breakdown_s"].items()))
+        t = results["tandem"]
+        mem = t.get("train_memory", {})
+        plan = f", plan {mem['memory/train_plan_gib']:.1f}" if "memory/train_plan_gib" in mem else ""
+        print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s, MFU {100 * t['train_mfu']:.1f}% "
+              f"(6 x params x tokens / {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), recompute "
+              f"{'on' if mem.get('memory/recompute') else 'off'}; peak {mem.get('memory/train_peak_gib', 0):.1f} GiB"
+              f"{plan} (resident {mem.get('memory/train_resident_gib', 0):.1f})")
         by_phase = {k: v for k, v in results["tandem"]["gpu_util_by_phase"].items() if v is not None}
         if by_phase:
             print("tandem GPU utilization by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in by_phase.items()))
@@ -152,6 +177,7 @@ def add_parser(subparsers) -> None:
               "sleep_level", "seed", "lora_r"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing)
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing,
+                   help="force recompute on or off (default: tandem's memory plan decides; TRL recomputes)")
     p.set_defaults(func=lambda a: run(RLBenchConfig(**{k: v for k, v in vars(a).items()
                                                       if k in RLBenchConfig.__dataclass_fields__})) and 0)

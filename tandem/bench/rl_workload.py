@@ -29,7 +29,7 @@ class RLBenchConfig:
     server_timeout_s: float = 600.0  # for `tandem serve` to load and listen
     cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
     sleep_level: int = 2  # GRPOConfig.engine_sleep_level: the trainer brings the weights back
-    gradient_checkpointing: bool = True
+    gradient_checkpointing: bool | None = None  # None: the trainer's memory plan decides
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
     seed: int = 0
     output: str | None = None
@@ -81,6 +81,5 @@ def batching(cfg: RLBenchConfig) -> dict:
         "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
         "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
         "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
-        "seed": cfg.seed, "gradient_checkpointing": cfg.gradient_checkpointing, "max_steps": cfg.steps + 1,
-        "logging_steps": 1,
-    }
+        "seed": cfg.seed, "max_steps": cfg.steps + 1, "logging_steps": 1,
+    } | ({} if cfg.gradient_checkpointing is None else {"gradient_checkpointing": cfg.gradient_checkpointing})

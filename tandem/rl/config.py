@@ -77,7 +77,7 @@ class GRPOConfig:
 
     # Optimiser and schedule.
     learning_rate: float = 1e-6
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch_fused"  # transformers' default; fused on CUDA (no full-size temporaries)
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict[str, Any] | None = None
     warmup_steps: int | float = 0  # >= 1: steps; in (0, 1): a share of the steps (transformers 5)
@@ -89,7 +89,10 @@ class GRPOConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
     max_consecutive_nonfinite_steps: int = 3
-    gradient_checkpointing: bool | None = True  # None: False, as transformers
+    # None: recompute only when one micro-batch's activations do not fit in the memory free once the
+    # engine sleeps (`tandem.rl.memory_plan`, measured at the first training phase, logged);
+    # True / False force it.
+    gradient_checkpointing: bool | None = None
     bf16: bool | None = None  # None: bf16 where the device supports it, else fp32
     disable_dropout: bool = False
     # Accepted for TRL scripts: tandem's logprobs are its own chunked kernel (no [N, V] fp32 copy),
@@ -165,8 +168,6 @@ class GRPOConfig:
         """Values TRL / transformers spell differently, turned into tandem's."""
         if self.output_dir is None:
             self.output_dir = "trainer_output"
-        if self.gradient_checkpointing is None:
-            self.gradient_checkpointing = False
         if self.min_p is None:
             self.min_p = 0.0
         if self.top_k is None:

@@ -102,6 +102,11 @@ def _chunk_logits(h_CD, w_VD, target_C, temperature, filt: SamplingFilter | None
     return filt.apply(x_CV, target_C) if filt is not None and filt.active else x_CV
 
 
+def head_chunk_rows(vocab: int) -> int:
+    """Tokens per chunk of the fused head: fp32 logits of about 256 MiB."""
+    return max(16, _CHUNK_BYTES // (4 * vocab))
+
+
 def head_logprobs(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -116,7 +121,7 @@ def head_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dtype = dtype or hidden_ND.dtype
-    chunk = chunk_size or max(16, _CHUNK_BYTES // (4 * weight_VD.shape[0]))
+    chunk = chunk_size or head_chunk_rows(weight_VD.shape[0])
     with torch.autocast(hidden_ND.device.type, enabled=False):
         return _FusedHeadLogProbs.apply(hidden_ND, weight_VD, target_N.long(), float(temperature),
                                         dtype, sampling, chunk)

@@ -125,6 +125,26 @@ def free_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def set_recompute(model: torch.nn.Module, on: bool) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer on or off, by transformers'
+    current name where it has one (5.2x) and its older one before."""
+    if on:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    elif is_recomputing(model):
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
+
+
+def is_recomputing(model: torch.nn.Module) -> bool:
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, flag, False))
+
+
 def head_workspace_bytes(vocab: int, chunk_rows: int) -> int:
     """The fused head keeps about three fp32 [chunk, V] buffers alive at once (logits, the
     filter's or softmax's output, the gradient)."""

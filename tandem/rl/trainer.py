@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -30,18 +31,29 @@ from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.generation import ColocatedGenerator, ServerGenerator
 from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite
 from tandem.rl.logging import MetricsLogger
-from tandem.rl.logprobs import SamplingFilter, completion_logps
+from tandem.rl.logprobs import SamplingFilter, completion_logps, head_chunk_rows
 from tandem.rl.loss import (
     group_advantages,
     grpo_loss,
     loss_kwargs_from_config,
     reward_metrics,
 )
+from tandem.rl.memory_plan import (
+    GIB,
+    TrainMemoryPlan,
+    free_memory,
+    head_workspace_bytes,
+    measure_activations,
+    set_recompute,
+)
 from tandem.rl.optim import build_optimizer, build_scheduler
 from tandem.rl.reward_models import prepare_reward_funcs
 from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
+from tandem.rl.strategy import make_strategy
 from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 PHASES = ("weight_sync", "generate", "reward", "train")  # one step, in order
 
@@ -95,26 +107,17 @@ class GRPOTrainer:
         self.ref_model = None
         if args.beta != 0.0 and peft_config is None:  # with LoRA: the model, adapter disabled
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        if args.gradient_checkpointing and self.device.type == "cuda":
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.model.config.use_cache = False
+        self.recompute: bool | None = args.gradient_checkpointing  # None: the memory plan decides
+        if self.recompute:
+            self._set_recompute(True)
         self.llm = None
         if args.vllm_mode == "colocate":  # built from the full model, before any sharding
             self.llm = self._build_engine(engine_kwargs or {})
         if peft_config is not None:  # after the engine: it took the base weights (B = 0: merged)
             self._apply_peft(peft_config)
-        engine_weights = None  # None: the engine reads the (unsharded) model itself
-        if args.fsdp:
-            from tandem.rl import fsdp  # torch.distributed.fsdp: a second's import, only when used
-
-            for m in (self.model, self.ref_model):
-                if m is not None:
-                    fsdp.apply_fsdp(m, self.device, self.use_bf16)
-            self.reduce_grads, self.clip_grad_norm = (lambda model: None), fsdp.clip_grad_norm_
-            engine_weights = functools.partial(fsdp.full_weights, self.model)  # one unit at a time
-        else:
-            self.reduce_grads = self.dist.all_reduce_grads
-            self.clip_grad_norm = lambda params, max_norm: float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        self.strategy = make_strategy(args.fsdp, self.dist)  # replicas or FSDP2 shards, chosen once
+        self.strategy.prepare((self.model, self.ref_model), self.device, self.use_bf16)
+        engine_weights = self.strategy.engine_weights(self.model)
         if peft_config is not None:
             engine_weights = functools.partial(lora.merged_weights, self.model)
         optimizer, scheduler = optimizers if optimizers is not None else (None, None)
@@ -148,6 +151,7 @@ class GRPOTrainer:
         filt = SamplingFilter(args.top_k, args.top_p, args.min_p)
         self.sampling_filter = filt if filt.active else None
         self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
+        self.memory_plan: TrainMemoryPlan | None = None
         self._warned_dropped = False
         self.global_step = 0
         self.logger: MetricsLogger | None = None
@@ -351,6 +355,12 @@ class GRPOTrainer:
     def _train_on(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
         a = self.args
         data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
+        if self.recompute is None:  # the first training phase: the engine sleeps, memory is known
+            self._plan_memory()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            resident = torch.cuda.memory_allocated(self.device)
         N = data["completion_mask"].shape[0]
         mb = a.per_device_train_batch_size
         micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
@@ -385,10 +395,10 @@ class GRPOTrainer:
                         what = "logprobs" if not torch.isfinite(logp.detach()).all() else "loss"
                         first_bad = f"the trainer's {what} of rows {s.start}-{s.stop - 1}"
                     count += 1
-                self.reduce_grads(self.model)  # FSDP has reduce-scattered them during backward
+                self.strategy.reduce_grads(self.model)
                 # The norm is global (after the all-reduce / over every shard); inf max_norm only
                 # measures it. A NaN norm must not reach clipping: it would scale every gradient by NaN.
-                norm = self.clip_grad_norm(self.model.parameters(), a.max_grad_norm or math.inf)
+                norm = self.strategy.clip_grad_norm(self.model.parameters(), a.max_grad_norm or math.inf)
                 local_bad = torch.tensor(float(first_bad is not None), device=self.device)
                 finite = is_finite(norm) and float(self.dist.all_reduce_sum(local_bad)) == 0
                 if a.max_grad_norm:
@@ -405,8 +415,47 @@ class GRPOTrainer:
         count = sums.pop("_count")
         metrics = {k: v / max(1, count) for k, v in sums.items()}
         metrics["train/nonfinite_steps"] = self.guard.total
+        metrics["memory/recompute"] = float(self.recompute)
+        if cuda:  # what the phase took above what was resident, next to the plan's prediction
+            metrics["memory/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+            metrics["memory/train_resident_gib"] = resident / GIB
+            if self.memory_plan is not None:
+                metrics["memory/train_plan_gib"] = (resident + self.memory_plan.need(self.recompute)) / GIB
         self._warn_if_dropped_wholesale(metrics)
         return metrics
+
+    def _set_recompute(self, on: bool) -> None:
+        set_recompute(self.model, on)
+        self.recompute = on
+
+    def _plan_memory(self) -> None:
+        """gradient_checkpointing=None: recompute only if the activations of one micro-batch do not
+        fit in what is free now (the engine asleep, the weights resident), after the gradients and
+        the optimizer state still to come. A sharded model cannot run the probe: it recomputes."""
+        a = self.args
+        if self.strategy.sharded:
+            self._set_recompute(True)
+            logger.info("memory plan: FSDP shards are not probed; gradient checkpointing on")
+            return
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        grad_bytes = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+        states = 2 if isinstance(self.optimizer, torch.optim.AdamW | torch.optim.Adam) else 1
+        optim_bytes = 0 if self.optimizer.state else states * sum(p.numel() * 4 for p in trainable)
+        precision = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.use_bf16 else nullcontext
+        keep = measure_activations(self.model, precision)
+        self._set_recompute(True)
+        redo = measure_activations(self.model, precision)
+        seq = (a.max_prompt_length or 512) + a.max_completion_length
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        self.memory_plan = plan = TrainMemoryPlan(
+            tokens_per_micro_batch=a.per_device_train_batch_size * seq, keep=keep, recompute=redo,
+            num_layers=self.model.config.num_hidden_layers,
+            head_workspace=head_workspace_bytes(vocab, head_chunk_rows(vocab)),
+            free=max(0, free_memory(self.device) - grad_bytes - optim_bytes))
+        recompute, why = plan.choose_recompute()
+        self._set_recompute(recompute)
+        if self.dist.is_main:
+            logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format(), why)
 
     def _nonfinite_hint(self) -> str:
         a = self.args
@@ -471,11 +520,7 @@ class GRPOTrainer:
         """The trained model (with LoRA: the adapter, as peft saves it) and the tokenizer, in HF
         format, into output_dir (default args.output_dir), as transformers' Trainer.save_model."""
         out = Path(output_dir or self.args.output_dir)
-        model_state = None
-        if self.args.fsdp:
-            from tandem.rl import fsdp
-
-            model_state, _ = fsdp.gather_state_dicts(self.model, self.optimizer)
+        model_state, _ = self.strategy.full_state_dicts(self.model, self.optimizer)
         if self.dist.is_main:
             out.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(out, state_dict=model_state)
@@ -492,11 +537,7 @@ class GRPOTrainer:
                  "log_history": self.state.log_history,
                  "weights_version": self.generator.weights_version, "world_size": self.dist.world_size}
         path = Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.global_step}"
-        model_state = optimizer_state = None
-        if self.args.fsdp:
-            from tandem.rl import fsdp
-
-            model_state, optimizer_state = fsdp.gather_state_dicts(self.model, self.optimizer)
+        model_state, optimizer_state = self.strategy.full_state_dicts(self.model, self.optimizer)
         if self.dist.is_main:
             path = ckpt.save_checkpoint(self.args.output_dir, self.global_step, self.model, tokenizer=self.tokenizer,
                                         optimizer=self.optimizer, scheduler=self.scheduler, trainer_state=state,
@@ -515,19 +556,11 @@ class GRPOTrainer:
         written = json.loads((Path(path) / ckpt.TRAINER_STATE).read_text())["config"].get("fsdp", False)
         if written != self.args.fsdp:  # the optimizer state is keyed differently (names vs indices)
             raise ValueError(f"{path} was written with fsdp={written}; resume it with fsdp={written}")
-        if self.args.fsdp:
-            from tandem.rl import fsdp
-
-            state = ckpt.load_checkpoint(path, scheduler=self.scheduler)
-            # Rank 0 reads the full weights and optimizer state; each rank keeps its shards.
-            weights = ckpt.read_model_weights(path) if self.dist.is_main else {}
-            optim = torch.load(Path(path) / ckpt.OPTIMIZER, map_location="cpu", weights_only=True) if self.dist.is_main else {}
-            fsdp.scatter_state_dicts(self.model, self.optimizer, weights, optim)
-        elif self.peft:  # the checkpoint holds the adapter, as peft saves it
+        if self.peft:  # the checkpoint holds the adapter, as peft saves it
             state = ckpt.load_checkpoint(path, None, self.optimizer, self.scheduler)
             lora.load_adapter(self.model, path)
         else:
-            state = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+            state = self.strategy.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.sampler.load_state_dict(state["sampler"])
         self.global_step = int(state["global_step"])
         self.state.log_history = list(state.get("log_history", []))
