@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass, fields
+
+from tandem.checks import check_bool, check_choice, check_float, check_int, check_str
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 _LOAD_FORMATS = ("auto", "dummy", "safetensors", "pt", "gguf")
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
+_MAX_COUNT = 2**31 - 1  # counts of sequences and tokens: beyond this is a typo, not a setting
+_BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_sleep_mode",
+          "trust_remote_code")
 
 
 @dataclass
@@ -56,46 +64,53 @@ class EngineConfig:
     max_admission_delay_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.load_format not in _LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
-        if self.logprobs_mode not in _LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {_LOGPROBS_MODES}, got {self.logprobs_mode!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        """Every field's type and range, before anything is built (invariant 4)."""
+        self.model = check_str("model", self.model, optional=True)
+        self.tokenizer = check_str("tokenizer", self.tokenizer, optional=True)
+        if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise ValueError(
-                f"attention_backend must be 'auto', 'torch' or 'triton', got {self.attention_backend!r}"
+                f"tokenizer: {self.tokenizer!r} is not a local directory or file; tokenizers "
+                "load from local files only (no hub access)"
             )
-        if self.sleep_mode_backend not in ("auto", "cumem", "recapture"):
+        check_choice("dtype", self.dtype, _DTYPES)
+        check_choice("load_format", self.load_format, _LOAD_FORMATS)
+        check_choice("logprobs_mode", self.logprobs_mode, _LOGPROBS_MODES)
+        check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
+        check_choice("sleep_mode_backend", self.sleep_mode_backend, ("auto", "cumem", "recapture"))
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(
-                f"sleep_mode_backend must be 'auto', 'cumem' or 'recapture', got {self.sleep_mode_backend!r}"
+                f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-        if self.max_cudagraph_capture_size < 0:
-            raise ValueError(f"max_cudagraph_capture_size must be >= 0, got {self.max_cudagraph_capture_size}")
-        if self.max_admission_delay_steps < 0:
-            raise ValueError(f"max_admission_delay_steps must be >= 0, got {self.max_admission_delay_steps}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(
-                f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}"
-            )
-        if self.cpu_kv_cache_space_gib <= 0:
-            raise ValueError(f"cpu_kv_cache_space_gib must be > 0, got {self.cpu_kv_cache_space_gib}")
+        self.max_model_len = check_int("max_model_len", self.max_model_len, 1, optional=True)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1, _MAX_COUNT)
+        self.max_num_batched_tokens = check_int(
+            "max_num_batched_tokens", self.max_num_batched_tokens, 1, _MAX_COUNT
+        )
+        self.gpu_memory_utilization = check_float(
+            "gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True
+        )
+        self.block_size = check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
+        for name in _BOOLS:
+            check_bool(name, getattr(self, name))
+        check_bool("async_scheduling", self.async_scheduling, optional=True)
+        self.seed = check_int("seed", self.seed, 0, 2**63 - 1)
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        self.num_gpu_blocks_override = check_int(
+            "num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True
+        )
+        self.cpu_kv_cache_space_gib = check_float(
+            "cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, 0.0, 1e6, lo_open=True
+        )
+        self.max_cudagraph_capture_size = check_int(
+            "max_cudagraph_capture_size", self.max_cudagraph_capture_size, 0, _MAX_COUNT
+        )
+        self.revision = check_str("revision", self.revision, optional=True)
+        self.stream_interval = check_int("stream_interval", self.stream_interval, 1, _MAX_COUNT)
+        self.max_admission_delay_steps = check_int(
+            "max_admission_delay_steps", self.max_admission_delay_steps, 0, _MAX_COUNT
+        )
 
     def check_model_len(self, max_model_len: int) -> None:
         """Called once the model's context length is known."""

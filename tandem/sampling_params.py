@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from tandem.checks import check_bool, check_float, check_int
+
+_MAX_N = 2**16  # samples per prompt
+_MAX_LOGPROBS = 2**20  # the engine's own limit (20) is checked where it is known
 
 
 @dataclass
@@ -36,52 +40,45 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.stop is None:
-            self.stop_strings = []
-        elif isinstance(self.stop, str):
-            self.stop_strings = [self.stop]
-        else:
-            self.stop_strings = list(self.stop)
-        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._verify()
+        self.verify()
 
-    def _verify(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.seed is not None and not 0 <= self.seed < 2**63 - 2**16:
-            raise ValueError(f"seed must be in [0, 2**63 - 2**16), got {self.seed}")
-        if self.top_k > 2**31:
-            raise ValueError(f"top_k must be at most 2**31 (0 or -1 disable it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+    def verify(self) -> None:
+        """Every field's type and range (run again by the engine: a caller may have changed a
+        field since); a TypeError or ValueError naming the field."""
+        self.n = check_int("n", self.n, 1, _MAX_N)
+        self.temperature = check_float("temperature", self.temperature, 0.0, 1e6)
+        self.top_p = check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.top_k = check_int("top_k", self.top_k, -1, 2**31)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = check_float("min_p", self.min_p, 0.0, 1.0)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1, optional=True)
+        self.min_tokens = check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        self.stop_strings = _stop_strings(self.stop)
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of token ids or None, got {ids!r}")
+        self.stop_token_ids = [check_int("stop_token_ids", t, 0) for t in ids or []]
+        check_bool("ignore_eos", self.ignore_eos)
+        self.seed = check_int("seed", self.seed, 0, 2**63 - 2**16 - 1, optional=True)
+        self.logprobs = check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS, optional=True)
         if self.prompt_logprobs is not None:
-            raise ValueError(f"prompt_logprobs is not implemented; leave it None, got {self.prompt_logprobs}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+            raise ValueError(
+                f"prompt_logprobs is not implemented; leave it None, got {self.prompt_logprobs!r}"
+            )
+        self.repetition_penalty = check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, 1e6, lo_open=True
+        )
+        self.presence_penalty = check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+            check_bool(name, getattr(self, name))
 
     @property
     def greedy(self) -> bool:
@@ -99,3 +96,16 @@ class SamplingParams:
         kwargs = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
         kwargs.update(changes)
         return SamplingParams(**kwargs)
+
+
+def _stop_strings(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, (list, tuple)):
+        raise TypeError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    stop = list(stop)
+    if any(not isinstance(s, str) or s == "" for s in stop):
+        raise ValueError(f"stop must be non-empty strings, got {stop!r}")
+    return stop

@@ -14,8 +14,9 @@ import tandem
 
 ROOT = Path(tandem.__file__).parent
 
-# the top-level modules every package may use: configs, parameters, outputs, the forward context
-BASE = {"config", "sampling_params", "outputs", "forward_context"}
+# the top-level modules every package may use: configs (and their field checks), parameters,
+# outputs, the forward context
+BASE = {"config", "checks", "sampling_params", "outputs", "forward_context"}
 ORDER = ["kernels", "layers", "models", "parallel", "weights", "engine"]
 APPS = {"rl", "serve", "bench"}
 # (importer package, imported module, names): the documented crossings between applications

@@ -150,6 +150,9 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        params.verify()  # again: a field changed after construction must not reach a step
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt: must not be empty")
@@ -167,8 +170,6 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
 
     def add_request(
         self,

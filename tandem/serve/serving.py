@@ -108,7 +108,7 @@ class OpenAIServing:
         try:
             params = sampling_params(req, max_tokens, logprobs)
             self.llm.validate_request(prompt_ids, params)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             raise from_value_error(e, self.request_fields, rename) from None
         return params
 
