@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import copy
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -217,8 +218,10 @@ class EngineCore:
         parsed here, where the weights live, so they cross between processes once."""
         if kind == "path":
             from tandem.models.loader import iterate_checkpoint
+            from tandem.weights.check import checkpoint_specs
 
-            return self.engine.load_weights(iterate_checkpoint(source))
+            specs = checkpoint_specs(source) if os.path.isdir(source) else None
+            return self.engine.load_weights(iterate_checkpoint(source), specs)
         from safetensors import SafetensorError
         from safetensors.torch import load
 
@@ -226,7 +229,7 @@ class EngineCore:
             tensors = load(source)
         except SafetensorError as e:
             raise InvalidWeights(f"the body is not a safetensors file: {e}") from None
-        return self.engine.load_weights(iter(tensors.items()))
+        return self.engine.load_weights(list(tensors.items()))  # a list: checked whole first
 
     def join_communicator(self, host: str, port: int, backend: str, timeout_s: float) -> cf.Future:
         return self.weight_sync.join(host, port, backend, timeout_s)

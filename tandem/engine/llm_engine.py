@@ -15,6 +15,7 @@ from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, Reques
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.engine.worker import Worker
+from tandem.weights.check import TensorSpec, specs_of
 from tandem.models.loader import ModelSource, resolve_model
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -323,24 +324,31 @@ class LLMEngine:
         """Bring back the weights and/or the KV cache; the prefix cache starts empty."""
         return self.worker.wake_up(tags, on_kv_cache=self.block_manager.reset_prefix_cache)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the engine in place (merging q/k/v and gate/up).
-
-        Works while asleep: the weights are woken first. Returns how many tensors were loaded.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     specs: list[TensorSpec] | None = None) -> int:
+        """Copy HF-named tensors into the engine in place (merging q/k/v and gate/up); all or
+        nothing where they can be checked first (`Worker.load_weights`), then the version moves
+        and the prefix cache is reset. Works while asleep: the weights are woken first. Returns
+        how many tensors were loaded.
         """
-        n = self.worker.load_weights(weights)
-        self.block_manager.reset_prefix_cache()  # cached KV came from the old weights
-        return n
+        before = self.worker.weights_version
+        try:
+            return self.worker.load_weights(weights, specs)
+        finally:
+            if self.worker.weights_version != before:  # something may have been copied
+                self.block_manager.reset_prefix_cache()  # cached KV came from the old weights
 
     def update_weights_from_model(self, model: torch.nn.Module) -> int:
         """Copy a trainer's HF model into the engine, device to device, never through disk."""
+        state = model.state_dict()
+
         def tensors():
-            for name, t in model.state_dict().items():
+            for name, t in state.items():
                 if hasattr(t, "full_tensor"):  # FSDP2 / DTensor shards: gather this one tensor
                     t = t.full_tensor()
                 yield name, t.detach()
 
-        return self.load_weights(tensors())
+        return self.load_weights(tensors(), specs_of(state.items()))  # a DTensor's shape is whole
 
     def memory_report(self) -> dict:
         """Where the engine's memory is: weights, KV cache, CUDA graphs, other, and what is free."""

@@ -8,7 +8,7 @@ profile a forward pass to size the KV cache, allocate it, capture graphs, warm t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -27,6 +27,7 @@ from tandem.models.loader import (
     load_weights,
 )
 from tandem.parallel.tensor_parallel import init_tensor_parallel
+from tandem.weights.check import TensorSpec, check_weights, specs_of
 
 SLEEP_TAGS = ("weights", "kv_cache")
 
@@ -149,15 +150,33 @@ class Worker:
 
     # -- weights ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     specs: list[TensorSpec] | None = None) -> int:
         """Copy HF-named tensors into the model in place (merging q/k/v and gate/up); wakes the
-        weights first when they sleep. Returns how many tensors were loaded."""
-        if not self.weight_store.resident:
+        weights first when they sleep. Returns how many tensors were loaded.
+
+        All or nothing for a collection, or an iterator with its `specs` (name, shape, dtype):
+        every tensor is checked before anything is copied. A bare iterator (an FSDP trainer's
+        gathered units, each valid only until the next is asked for) is checked tensor by tensor.
+        """
+        if not self.weight_store.resident:  # first: asleep, the parameters have no shapes
             self.wake_up(["weights"])
-        loaded = load_weights(self.model, weights)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.weights_version += 1
+        if specs is None and not isinstance(weights, Iterator):  # a collection: held already
+            weights = list(weights)
+            specs = specs_of(weights)
+        if specs is None:
+            weights = _checked_one_by_one(self.model, weights)
+        else:
+            targets = check_weights(self.model, specs)
+            missing = {n for n, _ in self.model.named_parameters()} - targets
+            if not self.weights_valid and missing:
+                raise ValueError(f"after sleep(level=2) every weight must be loaded; missing {sorted(missing)[:5]}")
+        try:
+            loaded = load_weights(self.model, weights)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        finally:  # even a copy that failed part-way has changed the weights
+            self.weights_version += 1
         if not self.weights_valid:
             missing = {n for n, _ in self.model.named_parameters()} - loaded
             if missing:
@@ -180,6 +199,12 @@ class Worker:
             report.update(cuda_graphs_bytes=graphs, other_bytes=max(0, allocated - in_torch - graphs),
                           free_bytes=free, total_bytes=total)
         return report
+
+
+def _checked_one_by_one(model: torch.nn.Module, weights):
+    for name, t in weights:
+        check_weights(model, [(name, tuple(t.shape), t.dtype)])
+        yield name, t
 
 
 def _free_bytes(device: torch.device) -> int | None:

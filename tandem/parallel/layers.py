@@ -115,7 +115,7 @@ class RowParallelLinear(nn.Linear):
         self.full_in_features = in_features
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param is self.bias:
+        if param.dim() == 1:  # the bias (replicated), or a meta stand-in for it (weights.check)
             default_weight_loader(param, loaded)
             return
         if tuple(loaded.shape) != (self.out_features, self.full_in_features):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.weights.check import check_weights
 from tandem.weights.communicator import SERVER_RANK, Communicator, open_store, signal_ready
 
 
@@ -74,7 +75,11 @@ class WeightSyncWorker:
         """Receive the announced tensors, broadcast by the trainer in this order, and load them
         (load_weights also resets the prefix cache: cached KV came from the old weights)."""
         comm = self._require()
-        # buffers first: a failure here is a plain refusal, the trainer sent nothing yet
+        # checks and buffers first: a failure here is a plain refusal, the trainer sent nothing
+        # yet, and nothing is loaded unless every tensor fits (asleep, parameters have no shapes)
+        if not self.engine.worker.weight_store.resident:
+            self.engine.wake_up(["weights"])
+        check_weights(self.engine.model, [(s.name, s.shape, s.dtype) for s in specs])
         received = [
             (s.name, torch.empty(s.shape, dtype=s.dtype, device=comm.device)) for s in specs
         ]

@@ -54,7 +54,7 @@ def test_a_skipped_weight_sync_is_caught(tmp_path, monkeypatch):
     ends = [b for _, b in spans.values()]
     assert all(a <= b for a, b in spans.values()) and ends == sorted(ends)
     assert spans["train"][1] - spans["train"][0] == pytest.approx(m["time/train"])
-    monkeypatch.setattr(trainer.llm.llm_engine, "load_weights", lambda weights: 0)
+    monkeypatch.setattr(trainer.llm.llm_engine, "load_weights", lambda weights, specs=None: 0)
     with pytest.raises(RuntimeError, match="weight sync"):
         trainer.step()
 

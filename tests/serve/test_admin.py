@@ -100,3 +100,41 @@ def test_weight_update_is_visible_in_the_next_generation(admin, tiny_llama_dir):
     status, _, resp = admin.post("/update_weights", b"not safetensors", headers=headers)
     assert status == 400 and "error" in resp
     admin.wait_idle()
+
+
+def _norm(engine) -> torch.Tensor:
+    return engine.model.model.norm.weight.detach().clone()
+
+
+def test_a_rejected_update_changes_nothing(admin):
+    """A checkpoint whose second tensor has the wrong shape is refused whole: the first tensor is
+    not copied, the version does not move (and the greedy answer stays the same)."""
+    before, norm, version = _greedy(admin), admin.call(_norm), admin.llm.weights_version
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/octet-stream"}
+    for bad in [
+        {"model.norm.weight": norm * 3, "model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)},
+        {"model.norm.weight": norm * 3, "model.embed_tokens.weight": torch.zeros(3, 5)},
+        {"model.norm.weight": norm * 3, "model.no_such.weight": torch.zeros(2)},
+        {"model.norm.weight": norm * 3, "model.layers.0.input_layernorm.weight":
+            torch.ones(norm.shape, dtype=torch.int32)},
+    ]:
+        status, _, resp = admin.post("/update_weights", save(bad), headers=headers)
+        assert status == 400, resp
+        assert torch.equal(admin.call(_norm), norm), bad.keys()
+    assert admin.llm.weights_version == version
+    assert _greedy(admin) == before
+    admin.wait_idle()
+
+
+def test_offline_load_weights_is_all_or_nothing():
+    from model_fixtures import make_tiny_model
+
+    llm = LLM(make_tiny_model("llama"), block_size=4, max_model_len=64)
+    engine = llm.llm_engine
+    norm = engine.model.model.norm.weight.detach().clone()
+    with pytest.raises(ValueError, match="gate_proj"):
+        llm.load_weights([("model.norm.weight", norm + 1),
+                          ("model.layers.0.mlp.gate_proj.weight", torch.zeros(1, 1))])
+    assert torch.equal(engine.model.model.norm.weight, norm) and engine.weights_version == 0
+    llm.load_weights([("model.norm.weight", norm + 1)])
+    assert torch.equal(engine.model.model.norm.weight, norm + 1) and engine.weights_version == 1

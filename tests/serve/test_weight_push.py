@@ -139,7 +139,7 @@ def test_push_without_a_communicator_is_a_clear_error(admin, client):
 def test_a_refused_update_raises_at_once_and_a_failed_load_keeps_the_group(admin, client):
     client.init_communicator("gloo", timeout_s=30)
     bogus = [("model.no_such.weight", torch.zeros(3))]
-    with pytest.raises(ServerError, match="no_such") as e:  # received in full, then refused
+    with pytest.raises(ServerError, match="no_such") as e:  # refused before the broadcast
         client.update_named_params(bogus)
     assert e.value.status == 400
     norm = admin.call(_norm_weight)
@@ -233,3 +233,16 @@ def test_nccl_push_between_two_gpus_equals_an_http_push(tiny_llama_dir, monkeypa
     finally:
         proc.p.kill()
         proc.p.wait(30)
+
+
+def test_an_update_with_one_bad_tensor_loads_none_of_it(admin, client):
+    """All or nothing: the good tensor before the bad one is not loaded either."""
+    client.init_communicator("gloo", timeout_s=30)
+    norm = admin.call(_norm_weight)
+    version = admin.llm.weights_version
+    bad = [("model.norm.weight", norm * 2), ("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3))]
+    with pytest.raises(ServerError, match="down_proj") as e:
+        client.update_named_params(bad)
+    assert e.value.status == 400
+    assert torch.equal(admin.call(_norm_weight), norm)
+    assert admin.llm.weights_version == version
