@@ -8,6 +8,7 @@ leaves only a temp directory, which `latest_checkpoint` never returns and the ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -49,6 +50,40 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
         if m and p.is_dir() and is_complete(p):
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
+
+
+def previous_run(output_dir: str | os.PathLike) -> list[Path]:
+    """Checkpoint directories of an earlier run in output_dir, complete or not."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (
+        _NAME_RE.fullmatch(p.name) or p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX))))
+
+
+def check_fresh_output_dir(output_dir: str | os.PathLike, overwrite: bool,
+                           remove: bool = True) -> None:
+    """Before a fresh (not resumed) run: refuse an output_dir holding another run's checkpoints
+    (it would overwrite some, keep others, and a later resume would mix the two runs), or, with
+    `overwrite`, remove them and the run's logged metrics."""
+    old = previous_run(output_dir)
+    if not old:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in old[:5]) + (" ..." if len(old) > 5 else "")
+        raise ValueError(
+            f"output_dir {str(output_dir)!r} holds checkpoints of another run ({names}); resume "
+            "it (--resume, train(resume_from_checkpoint=True)), choose another --output-dir, or "
+            "pass --overwrite-output-dir to remove them"
+        )
+    if not remove:  # another rank does
+        return
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    for name in ("metrics.jsonl", "completions.jsonl"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(Path(output_dir) / name)
+    shutil.rmtree(Path(output_dir) / "tensorboard", ignore_errors=True)
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:

@@ -39,6 +39,9 @@ class GRPOConfig:
     """
 
     output_dir: str | None = "runs/grpo"  # None: "trainer_output", as transformers
+    # A fresh run refuses an output_dir holding another run's checkpoints (resume it instead);
+    # with this, that run's checkpoints and logged metrics are removed first (TRL's name).
+    overwrite_output_dir: bool = False
     seed: int = 42
     data_seed: int | None = None  # None: seed; orders the prompts
     run_name: str | None = None  # recorded in trainer_state.json

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -249,6 +250,9 @@ class GRPOTrainer:
         strategies say (transformers' DefaultFlowCallback decides), then save the model into
         output_dir unless save_strategy is "no". Returns the last step's metrics."""
         a, state, handler = self.args, self.state, self.callback_handler
+        if not resume_from_checkpoint:  # every rank refuses alike; the main one removes
+            ckpt.check_fresh_output_dir(a.output_dir, a.overwrite_output_dir, self.dist.is_main)
+            self.dist.barrier()
         resume_step = self._resume(resume_from_checkpoint)
         self.logger = MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step) if self.dist.is_main else None
         state.max_steps, state.num_train_epochs = self.max_steps, a.num_train_epochs
@@ -549,10 +553,27 @@ class GRPOTrainer:
     def _resume(self, resume_from_checkpoint) -> int | None:
         if not resume_from_checkpoint:
             return None
-        path = (ckpt.latest_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                else resume_from_checkpoint)
-        if path is None:
+        if resume_from_checkpoint is not True:  # the one asked for, or an error
+            return self._resume_from(resume_from_checkpoint)
+        found = ckpt.list_checkpoints(self.args.output_dir)
+        if not found:
             raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete checkpoint")
+        # newest first; one that does not load (a corrupt file under a complete marker) is skipped
+        failures = []
+        for path in reversed(found):
+            try:
+                step = self._resume_from(path)
+            except Exception as e:  # noqa: BLE001 - any file of it may be the broken one
+                failures.append(f"{path.name}: {type(e).__name__}: {e}")
+                print(f"warning: cannot resume from {path} ({type(e).__name__}: {e}); trying the "
+                      "previous checkpoint", file=sys.stderr, flush=True)
+                continue
+            if failures:
+                print(f"resumed from {path.name}, the newest checkpoint that loads", file=sys.stderr, flush=True)
+            return step
+        raise ValueError(f"no checkpoint in {self.args.output_dir} could be loaded: " + "; ".join(failures))
+
+    def _resume_from(self, path) -> int:
         written = json.loads((Path(path) / ckpt.TRAINER_STATE).read_text())["config"].get("fsdp", False)
         if written != self.args.fsdp:  # the optimizer state is keyed differently (names vs indices)
             raise ValueError(f"{path} was written with fsdp={written}; resume it with fsdp={written}")

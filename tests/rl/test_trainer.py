@@ -94,3 +94,39 @@ def test_bad_configuration_is_refused_before_training(tmp_path):
                     train_dataset=Dataset.from_dict({"question": ["hi"] * 8}), processing_class=make_tokenizer())
     with pytest.raises(ValueError, match="context"):
         make_trainer(tmp_path, max_completion_length=600)
+
+
+def _fake_old_run(out):
+    old = out / "checkpoint-3"
+    old.mkdir(parents=True)
+    (old / "checkpoint_complete.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+
+
+def test_a_fresh_run_refuses_an_output_dir_holding_another_runs_checkpoints(tmp_path):
+    _fake_old_run(tmp_path)
+    trainer = make_trainer(tmp_path, max_steps=1, save_steps=1, report_to="jsonl")
+    with pytest.raises(ValueError, match="checkpoint-3.*--overwrite-output-dir"):
+        trainer.train()
+    assert trainer.global_step == 0  # refused before any step
+    trainer.args.overwrite_output_dir = True
+    trainer.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1]
+
+
+def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, max_steps=6)
+    trainer.step()
+    trainer.save_checkpoint()
+    trainer.step()
+    newest = trainer.save_checkpoint()
+    (newest / "model.safetensors").write_bytes(b"\x00garbage, but marked complete")
+    resumed = make_trainer(tmp_path, max_steps=6)
+    assert resumed._resume(True) == 1
+    err = capsys.readouterr().err
+    assert "checkpoint-2" in err and "resumed from checkpoint-1" in err
+    (tmp_path / "checkpoint-1" / "trainer_state.json").write_text("{")
+    with pytest.raises(ValueError, match="no checkpoint .* could be loaded"):
+        make_trainer(tmp_path, max_steps=6)._resume(True)
