@@ -10,8 +10,10 @@ one message, whose outputs are dropped into the requests' streams with one
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
@@ -34,11 +36,15 @@ from tandem.engine.request_stream import RequestStream
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineError", "EngineUnavailable", "Overloaded"]
+__all__ = ["AsyncLLM", "EngineError", "EngineUnavailable", "Overloaded", "TooLarge"]
 
 
 class Overloaded(RuntimeError):
-    """Admission control: too many requests wait already."""
+    """Admission control: too many sequences wait already."""
+
+
+class TooLarge(ValueError):
+    """Admission control: one submission holds more sequences than the waiting queue ever may."""
 
 
 class AsyncLLM:
@@ -65,7 +71,10 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # orders registrations against the core's exit
         self._error: EngineUnavailable | None = None  # set once the core is gone
-        self._num_submitted = 0  # add commands sent (event loop side)
+        self._num_submitted = 0  # sequences sent in add commands (event loop side)
+        self._stopping = False
+        self.engine_died = False  # the core went away without being told to stop
+        self.on_engine_death: Callable[[], None] | None = None  # called then, from its thread
         if attach_to is not None:
             self.engine_mode = "process"
             self.engine_core = MPClient(*attach_to, self._on_outputs, self._on_exit)
@@ -77,6 +86,11 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.device = info.device
+        # Tokenizing and rendering chat templates take time in proportion to the prompt: in a
+        # thread of their own, so the event loop answers everyone else meanwhile (one thread:
+        # an HF tokenizer is not safe to use from several at once).
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+        self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         # what LLMEngine.validate_request reads: its limits, not its state
         self._limits = SimpleNamespace(
             max_model_len=info.max_model_len, hf_config=SimpleNamespace(vocab_size=info.vocab_size)
@@ -109,15 +123,23 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue requests (prompts validated already) and return the stream of their outputs.
 
-        Admission control: raises Overloaded when they would overfill the waiting queue.
+        Admission control counts sequences (prompts x n): raises Overloaded when they would
+        overfill the waiting queue, TooLarge when they never could.
         """
+        num_seqs = sum(params.n for _, _, params in requests)
         if self.max_waiting_requests is not None:
+            if num_seqs > self.max_waiting_requests:
+                raise TooLarge(
+                    f"{len(requests)} prompts x n make {num_seqs} sequences, more than this "
+                    f"server ever queues ({self.max_waiting_requests}); send fewer prompts or a "
+                    "lower n"
+                )
             stats = self.stats
-            waiting = stats.num_waiting + self._num_submitted - stats.num_added
-            if waiting + len(requests) > self.max_waiting_requests:
+            waiting = stats.num_waiting_seqs + self._num_submitted - stats.num_added
+            if waiting + num_seqs > self.max_waiting_requests:
                 self.metrics.rejected += 1
                 raise Overloaded(
-                    f"the server is at capacity ({waiting} requests waiting, at most "
+                    f"the server is at capacity ({waiting} sequences waiting, at most "
                     f"{self.max_waiting_requests}); retry later"
                 )
         stream = RequestStream(self, requests, output_kind)
@@ -129,7 +151,7 @@ class AsyncLLM:
             self.engine_core.send(
                 [(ADD, rid, prompt, params, output_kind) for rid, prompt, params in requests]
             )
-        self._num_submitted += len(requests)
+        self._num_submitted += num_seqs
         return stream
 
     async def generate(
@@ -173,8 +195,27 @@ class AsyncLLM:
         its result travel by pickle: a module-level function, a picklable result."""
         return await self.call_utility("call", fn, *args)
 
+    async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` (tokenizer work) in the tokenizer's thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizer_thread, functools.partial(fn, *args, **kwargs)
+        )
+
+    def fail_in_flight(self, reason: str) -> None:
+        """Fail every request in flight with EngineUnavailable(reason) and abort it in the
+        engine (a graceful shutdown's grace period is over); safe from any thread."""
+        error = EngineUnavailable(reason)
+        with self._lock:
+            live, self._live = self._live, {}
+        _fail_streams(live.values(), error)
+        if live and self._error is None:
+            self.engine_core.send([(ABORT, list(live))])
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort what is in flight and stop the engine core."""
+        self._stopping = True
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown(timeout)
 
     # -- the engine core's side (its thread, or the thread reading its process) -------------------
@@ -204,13 +245,34 @@ class AsyncLLM:
             self._error = error
             live, self._live = self._live, {}
             calls, self._calls = self._calls, {}
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        for stream, i in live.values():
-            by_loop[stream.loop].append((stream, i, error))
-        for loop, items in by_loop.items():
-            _put_all(loop, items)
+        _fail_streams(live.values(), error)
         for fut, loop in calls.values():
             _call_soon(loop, _set_future, fut, None, error)
+        if not self._stopping:  # nobody asked it to stop: the server cannot serve any more
+            self.engine_died = True
+            if self.on_engine_death is not None:
+                self.on_engine_death()
+
+
+def _max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
+    """The most characters a text that fits in `max_model_len` tokens can have: no token's text
+    is longer than its vocabulary entry (byte-level and SentencePiece entries spell each byte or
+    character once). Longer prompts are refused before they are tokenized."""
+    if tokenizer is None:
+        return None
+    try:
+        longest = max(len(t) for t in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return max_model_len * max(longest, 1)
+
+
+def _fail_streams(entries, error: BaseException) -> None:
+    by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+    for stream, i in entries:
+        by_loop[stream.loop].append((stream, i, error))
+    for loop, items in by_loop.items():
+        _put_all(loop, items)
 
 
 def _put_all(loop: asyncio.AbstractEventLoop, items: list) -> None:

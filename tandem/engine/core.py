@@ -146,7 +146,7 @@ class EngineCore:
         kind = cmd[0]
         if kind == ADD:
             _, rid, prompt, params, output_kind = cmd
-            self._num_added += 1
+            self._num_added += params.n
             try:
                 self.engine.add_request(rid, prompt, params, output_kind)
             except ValueError as e:  # the input was checked before: the engine's state refused it
@@ -181,6 +181,7 @@ class EngineCore:
         return EngineStats(
             num_running=len(running),
             num_waiting=len(waiting),
+            num_waiting_seqs=len(sched.waiting),
             num_added=self._num_added,
             num_unfinished=engine.get_num_unfinished_requests(),
             kv_cache_usage=bm.usage,

@@ -99,7 +99,7 @@ class CoreClients:
             kind = cmd[0]
             if kind == ADD:
                 rid = cmd[1]
-                self.num_added[i] += 1  # handled, refused or not: the server counts it as sent
+                self.num_added[i] += cmd[3].n  # sequences, handled or refused: sent, as counted
                 if rid in self.owner:  # ids are random per server: a clash is a caller's bug
                     error = EngineUnavailable(f"request id {rid!r} is already in flight")
                     self._refused[i].append((rid, error))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from multiprocessing.connection import Connection
 
 from tandem.config import EngineConfig
@@ -35,6 +37,8 @@ def run_engine_core(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if len(commands) == 1:
+        _die_with_the_parent()
     logging.basicConfig(level=log_level, format="%(levelname)s %(name)s (engine core): %(message)s")
     _leave_cores_to_the_api_servers(len(commands))
     try:
@@ -56,6 +60,20 @@ def run_engine_core(
     finally:
         clients.close()  # what the last iterations sent (aborted requests' failures) goes out first
         core.weight_sync.close()
+
+
+def _die_with_the_parent(interval_s: float = 0.5) -> None:
+    """Exit at once when the API server that started this core dies (a SIGKILL gives it no
+    chance to say STOP): its pipe's end-of-file is only seen between two steps, and one long CPU
+    prefill takes tens of seconds. A thread watches the parent (the step releases the GIL)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        os._exit(1)  # nobody is left to serve: no drain, no clean-up to wait for
+
+    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
 
 
 def _leave_cores_to_the_api_servers(num_api_servers: int) -> None:

@@ -30,7 +30,8 @@ class EngineStats:
 
     num_running: int = 0  # requests with a sequence in the running batch
     num_waiting: int = 0  # requests queued in the engine, none of their sequences running
-    num_added: int = 0  # add commands the engine core has processed
+    num_waiting_seqs: int = 0  # sequences queued in the engine (admission control counts them)
+    num_added: int = 0  # sequences of the add commands the engine core has processed
     num_unfinished: int = 0  # requests the engine holds (running, waiting or preempted)
     kv_cache_usage: float = 0.0
     num_blocks: int = 0

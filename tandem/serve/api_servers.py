@@ -14,6 +14,7 @@ and `tandem serve` exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -47,6 +48,8 @@ class APIServerArgs:
     shutdown_timeout: float = 30.0
     log_level: str = "info"
     access_log: bool = False
+    max_body_bytes: int = 32 << 20
+    read_timeout: float | None = None
     metrics_dir: str | None = None  # where the servers publish their request metrics
     parent_pid: int | None = None  # `tandem serve`'s own process: the servers die with it
 
@@ -148,16 +151,34 @@ def run_api_server(
             chat_template=args.chat_template,
             model_root=args.model_root,
             metrics_exchange=MetricsExchange(args.metrics_dir, index) if args.metrics_dir else None,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.read_timeout,
         )
-        serve(
+        code = serve(
             app,
             sock,
+            llm=llm,
             shutdown_timeout_s=args.shutdown_timeout,
             log_level=args.log_level,
             access_log=args.access_log,
+            read_timeout_s=args.read_timeout,
         )
     finally:
         llm.shutdown()
+        _leave_no_metrics_dir(args.metrics_dir, index)
+    if code:
+        sys.exit(code)
+
+
+def _leave_no_metrics_dir(metrics_dir: str | None, index: int) -> None:
+    """Remove this server's metrics file, and the directory with the last one out: `tandem
+    serve` removes it too, but not when it was SIGKILLed."""
+    if metrics_dir is None:
+        return
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(metrics_dir, f"api-server-{index}.json"))
+    with contextlib.suppress(OSError):
+        os.rmdir(metrics_dir)  # fails while another server's file is there
 
 
 def _stop_when_the_parent_dies(parent_pid: int | None) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
 
@@ -17,6 +19,10 @@ from tandem.serve.metrics_exchange import MetricsExchange
 from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 _OPEN_PATHS = {"/health", "/metrics", "/version"}  # answered without the API key
+# Bodies of any size, sized by the model and behind the admin key: a checkpoint's bytes.
+_UNLIMITED_BODY_PATHS = {"/update_weights"}
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+_DRAIN_BYTES, _DRAIN_S = 64 << 20, 5.0  # what a refused body may still send, dropped unread
 
 
 def build_app(
@@ -28,10 +34,14 @@ def build_app(
     retry_after_s: int = 1,
     model_root: str | None = None,
     metrics_exchange: MetricsExchange | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout_s: float | None = None,
 ) -> FastAPI:
     """An app serving `llm` under `served_model_name`. With `api_key` every route but health,
     metrics and version needs `Authorization: Bearer <key>`; the admin routes need a key. With
-    `metrics_exchange` (one API server of several) `/metrics` sums the request metrics of all."""
+    `metrics_exchange` (one API server of several) `/metrics` sums the request metrics of all.
+    A request body over `max_body_bytes` is a 413, one that takes over `body_timeout_s` to
+    arrive a 408 (/update_weights is exempt: a checkpoint is as large as the model)."""
     if enable_admin_api and not api_key:
         raise ValueError("enable_admin_api needs an api_key: admin routes change what is served")
     app = FastAPI(title="tandem", version=__version__, strict_content_type=False)
@@ -83,7 +93,8 @@ def build_app(
         from tandem.serve.admin import admin_router
 
         app.include_router(admin_router(llm))
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
+    if api_key:  # outside the body limit: a client without the key is refused before its body
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if metrics_exchange is not None:  # publishing needs the server's loop: its first request
         app.add_middleware(OnFirstRequest, start=lambda: metrics_exchange.start(llm.metrics))
@@ -124,3 +135,89 @@ class APIKeyMiddleware:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Reads a request's body whole before the app sees it (the app would buffer it anyway):
+    over `max_bytes` it is a 413 (at once when Content-Length says so), and one that does not
+    arrive within `timeout_s` of the headers a 408, so neither a huge body nor a slow one can hold
+    the server's memory or a connection."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float | None = None):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in _UNLIMITED_BODY_PATHS:
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(self._too_large(int(length)), scope, receive, send)
+            return
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+        except asyncio.TimeoutError:
+            error = APIError(
+                f"the request body did not arrive within {self.timeout_s:g} s",
+                408,
+                code="request_timeout",
+            )
+            await error.response()(scope, receive, send)
+            return
+        if body is None:  # the client went away
+            return
+        if isinstance(body, int):
+            await self._refuse(self._too_large(body), scope, receive, send)
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # what comes after the body: a disconnect
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive) -> bytes | int | None:
+        """The body; its size so far once that passes the limit; None at a disconnect."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return size
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _refuse(self, error: APIError, scope, receive, send) -> None:
+        """Read and drop what the client is still sending (a while, up to a cap), then answer: a
+        connection closed with unread data is reset before the client reads the answer (and
+        once the answer is sent the server reads no more of the body)."""
+
+        async def drain() -> None:
+            left = _DRAIN_BYTES
+            while left > 0:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return
+                left -= len(message.get("body", b""))
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(drain(), min(self.timeout_s or _DRAIN_S, _DRAIN_S))
+        await error.response()(scope, receive, send)
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(
+            f"the request body has {size} bytes or more, more than this server accepts "
+            f"({self.max_bytes}; tandem serve --max-request-body-mb)",
+            413,
+            code="request_too_large",
+        )

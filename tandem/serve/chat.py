@@ -31,7 +31,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(req)
-        prompt = self._render(req)
+        prompt = await self._render(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.make_params(req, prompt["prompt_token_ids"], field, logprobs, "messages")
@@ -69,7 +69,7 @@ class OpenAIServingChat(OpenAIServing):
             body["prompt_token_ids"] = out.prompt_token_ids
         return JSONResponse(body)
 
-    def _render(self, req: ChatCompletionRequest) -> dict:
+    async def _render(self, req: ChatCompletionRequest) -> dict:
         """The prompt text and ids, exactly as `LLM.chat` makes them."""
         tok = self.llm.tokenizer
         if tok is None:
@@ -88,8 +88,10 @@ class OpenAIServingChat(OpenAIServing):
                 code="no_chat_template",
             )
         conversation = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+        self.check_prompt_chars(sum(len(m["content"] or "") for m in conversation), "messages")
         try:
-            text = tok.apply_chat_template(
+            text = await self.llm.run_tokenizer(
+                tok.apply_chat_template,
                 conversation,
                 chat_template=template,
                 tokenize=False,
@@ -105,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
             ) from None
         return {
             "prompt": text,
-            "prompt_token_ids": self.encode(text, "messages", add_special_tokens=False),
+            "prompt_token_ids": await self.encode(text, "messages", add_special_tokens=False),
         }
 
     async def _events(

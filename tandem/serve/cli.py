@@ -56,8 +56,23 @@ def add_subcommands(subparsers) -> None:
         "--max-waiting-requests",
         type=int,
         default=defaults.max_waiting_requests,
-        help="admission bound: beyond this many waiting requests answer 503 "
-        f"(default: {defaults.max_waiting_requests})",
+        help="admission bound in sequences (prompts x n): beyond this many waiting answer 503; "
+        f"a request holding more on its own answers 400 (default: {defaults.max_waiting_requests})",
+    )
+    p.add_argument(
+        "--max-request-body-mb",
+        type=float,
+        default=defaults.max_request_body_mb,
+        help="larger request bodies answer 413; /update_weights is exempt "
+        f"(default: {defaults.max_request_body_mb:g})",
+    )
+    p.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=defaults.request_read_timeout,
+        help="seconds a client may take to send a request's headers, and again its body: slower "
+        f"connections are closed (headers) or answered 408 (body) "
+        f"(default: {defaults.request_read_timeout:g})",
     )
     p.add_argument(
         "--enable-admin-api",
@@ -96,6 +111,8 @@ def run_serve(args: argparse.Namespace) -> int:
         api_server_count=args.api_server_count,
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout=args.shutdown_timeout,
+        max_request_body_mb=args.max_request_body_mb,
+        request_read_timeout=args.request_read_timeout,
     )
     if args.tensor_parallel_size > 1:  # ranks would need every add/abort/step mirrored in lockstep
         raise ValueError(
@@ -134,6 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
             shutdown_timeout=serve_config.shutdown_timeout,
             log_level=args.log_level,
             access_log=args.access_log,
+            max_body_bytes=serve_config.max_body_bytes,
+            read_timeout=serve_config.request_read_timeout,
         )
         code = run_api_servers(config, sock, serve_config.api_server_count, server_args)
         print("tandem serve: stopped", flush=True)
@@ -151,17 +170,24 @@ def run_serve(args: argparse.Namespace) -> int:
             enable_admin_api=args.enable_admin_api,
             chat_template=chat_template,
             model_root=model,
+            max_body_bytes=serve_config.max_body_bytes,
+            body_timeout_s=serve_config.request_read_timeout,
         )
         print_listening(sock)
-        serve(
+        code = serve(
             app,
             sock,
+            llm=llm,
             shutdown_timeout_s=serve_config.shutdown_timeout,
             log_level=args.log_level,
             access_log=args.access_log,
+            read_timeout_s=serve_config.request_read_timeout,
         )
     finally:
         llm.shutdown()
+    if code:
+        print(f"tandem serve: {llm._error}; exiting {code}", file=sys.stderr, flush=True)
+        return code
     print("tandem serve: stopped", flush=True)
     return 0
 

@@ -27,7 +27,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_request(req)
-        prompts = [self._tokenize(p) for p in req.prompts()]
+        prompts = [await self._tokenize(p) for p in req.prompts()]
         params = [
             self.make_params(req, p["prompt_token_ids"], "max_tokens", req.logprobs, "prompt")
             for p in prompts
@@ -43,7 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return disconnected_response()
         return JSONResponse(self._response(req, base, finals))
 
-    def _tokenize(self, prompt: str | list[int]) -> dict:
+    async def _tokenize(self, prompt: str | list[int]) -> dict:
         if not isinstance(prompt, str):
             return {"prompt": None, "prompt_token_ids": list(prompt)}
         if self.llm.tokenizer is None:
@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 param="prompt",
                 code="no_tokenizer",
             )
-        return {"prompt": prompt, "prompt_token_ids": self.encode(prompt, "prompt")}
+        return {"prompt": prompt, "prompt_token_ids": await self.encode(prompt, "prompt")}
 
     def _echo(self, out: RequestOutput) -> str:
         if out.prompt is not None:

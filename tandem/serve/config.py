@@ -18,8 +18,13 @@ class ServeConfig:
     # --api-server-count): HTTP, validation, tokenization and streaming are Python work per
     # request, and at hundreds of requests per second one process is the bottleneck.
     api_server_count: int = 1
-    max_waiting_requests: int = 4096  # beyond this many waiting requests answer 503
+    # Admission control, in sequences (prompts x n): beyond this many waiting answer 503; a
+    # request holding more than this on its own answers 400 (no retry can help it).
+    max_waiting_requests: int = 4096
     shutdown_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    max_request_body_mb: float = 32.0  # a larger request body is a 413 (/update_weights exempt)
+    # seconds a client may take to send a request's headers, and again its body
+    request_read_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.engine_mode not in ENGINE_MODES:
@@ -37,3 +42,11 @@ class ServeConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not self.max_request_body_mb > 0:
+            raise ValueError(f"max_request_body_mb must be > 0, got {self.max_request_body_mb}")
+        if not self.request_read_timeout > 0:
+            raise ValueError(f"request_read_timeout must be > 0, got {self.request_read_timeout}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * (1 << 20))

@@ -15,6 +15,7 @@ from tandem.serve.errors import APIError
 
 MAX_N = 128  # OpenAI's own bound on `n`
 MAX_LOGPROBS = 20
+MAX_STOP = 64  # stop strings per request (each of any length)
 _INT64 = 2**63
 TokenIds = list[StrictInt]
 
@@ -37,7 +38,7 @@ class _SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
-    stop: str | list[str] | None = Field(None, max_length=64)
+    stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = Field(None, max_length=1024)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -55,6 +56,13 @@ class _SamplingRequest(BaseModel):
     # Accepted so that clients sending them get a clear 400, not a silently different result.
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value):
+        if isinstance(value, list) and len(value) > MAX_STOP:  # a limit on the list, not a string
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(value)}")
+        return value
 
     @property
     def include_usage(self) -> bool:

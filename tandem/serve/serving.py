@@ -15,7 +15,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from tandem.engine.async_llm import AsyncLLM, EngineError, EngineUnavailable, Overloaded
+from tandem.engine.async_llm import (
+    AsyncLLM,
+    EngineError,
+    EngineUnavailable,
+    Overloaded,
+    TooLarge,
+)
 from tandem.engine.request_stream import RequestStream
 from tandem.outputs import Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -61,9 +67,21 @@ class OpenAIServing:
                 param="stop_token_ids",
             )
 
-    def encode(self, text: str, param: str, **kwargs) -> list[int]:
-        """Token ids of `text`; a 400 for text that is not valid Unicode (a lone surrogate, which
-        JSON can carry and the tokenizer cannot take)."""
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """A 400 for text too long to fit the context whatever it says, before any tokenizing."""
+        limit = self.llm.max_prompt_chars
+        if limit is not None and num_chars > limit:
+            raise APIError(
+                f"{param}: {num_chars} characters cannot fit this model's maximum context length "
+                f"of {self.llm.max_model_len} tokens (at most {limit} characters)",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    async def encode(self, text: str, param: str, **kwargs) -> list[int]:
+        """Token ids of `text`, encoded off the event loop; a 400 for text too long to fit, or
+        not valid Unicode (a lone surrogate, which JSON can carry and the tokenizer cannot take)."""
+        self.check_prompt_chars(len(text), param)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -72,7 +90,7 @@ class OpenAIServing:
                 param=param,
                 code="invalid_unicode",
             ) from None
-        return self.llm.tokenizer.encode(text, **kwargs)
+        return await self.llm.run_tokenizer(self.llm.tokenizer.encode, text, **kwargs)
 
     def make_params(
         self,
@@ -128,6 +146,9 @@ class OpenAIServing:
             return self.llm.submit(requests, output_kind)
         except Overloaded as e:
             raise APIError(str(e), 503, code="overloaded", headers=retry) from None
+        except TooLarge as e:  # a retry cannot help
+            param = "n" if len(requests) == 1 else "prompt"
+            raise APIError(str(e), param=param, code="too_many_sequences") from None
         except EngineUnavailable as e:
             raise APIError(str(e), 503, code="engine_unavailable") from None
 

@@ -111,10 +111,11 @@ def run_server(
     model_dir: str,
     app_kwargs: dict | None = None,
     engine_mode: str = ServeConfig.engine_mode,
+    server_kwargs: dict | None = None,
     **engine_kwargs,
 ) -> Iterator[Server]:
     """A server on a background thread (its own event loop), its engine in `engine_mode` (the
-    default of `tandem serve`); stopped and joined on exit."""
+    default of `tandem serve`); stopped and joined on exit. `server_kwargs` go to make_server."""
     waiting = engine_kwargs.pop("max_waiting_requests", None)
     config = EngineConfig.from_kwargs(
         **{"model": model_dir, "device": "cpu", "max_num_seqs": 64, **engine_kwargs}
@@ -122,7 +123,8 @@ def run_server(
     llm = AsyncLLM.from_config(config, max_waiting_requests=waiting, engine_mode=engine_mode)
     app = build_app(llm, MODEL_NAME, **(app_kwargs or {}))
     sock = bind_socket("127.0.0.1", 0)
-    server = make_server(app, shutdown_timeout_s=5.0, log_level="warning")
+    server = make_server(app, **{"shutdown_timeout_s": 5.0, "log_level": "warning",
+                                 **(server_kwargs or {})})
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -15,6 +15,8 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -244,8 +246,12 @@ def test_a_dead_api_server_stops_the_whole_server_with_exit_1(tiny_llama_dir):
     assert not s.children_alive(), "a child process outlived the server"
 
 
-def test_a_killed_parent_takes_its_api_servers_and_engine_core_along(tiny_llama_dir):
+def test_a_killed_parent_takes_its_api_servers_and_engine_core_along(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where its metrics directory goes
     with _serve(tiny_llama_dir) as s:
+        assert list(tmp_path.glob("tandem-metrics-*"))
         assert len(_complete(s.url, "Hi")) == 5
         s.proc.p.kill()  # SIGKILL: no chance to stop its children itself
         s.proc.p.wait(10)
@@ -253,3 +259,31 @@ def test_a_killed_parent_takes_its_api_servers_and_engine_core_along(tiny_llama_
         while s.children_alive():
             assert time.monotonic() < deadline, "orphans outlived a killed tandem serve"
             time.sleep(0.1)
+    assert not list(tmp_path.glob("tandem-metrics-*")), "the metrics directory leaked"
+
+
+def test_an_engine_core_dies_with_its_api_server_even_in_a_long_step(tmp_path):
+    """An API server SIGKILLed while its engine core is inside a long step (tens of seconds for
+    one CPU prefill): the core's pipe says nothing until the step ends; its watch thread does."""
+    script = (
+        "import subprocess, sys, time\n"
+        "core = subprocess.Popen([sys.executable, '-c', 'from tandem.engine.core_proc "
+        "import _die_with_the_parent as d; d(0.05); import time; print(flush=True); "
+        "time.sleep(600)'], stdout=subprocess.PIPE)\n"
+        "core.stdout.readline()\n"
+        "print(core.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        core = int(parent.stdout.readline())
+        assert _alive(core)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 30
+        while _alive(core):
+            assert time.monotonic() < deadline, "the engine core outlived its API server"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import re
 import signal
 
@@ -45,7 +46,7 @@ async def _read(session: aiohttp.ClientSession, url: str, body: dict, first: asy
     return text
 
 
-def test_sigterm_finishes_in_flight_aborts_the_rest_and_exits_0(tiny_llama_dir):
+def test_sigterm_finishes_in_flight_fails_the_rest_cleanly_and_exits_0(tiny_llama_dir):
     proc = ServeProcess(
         [
             tiny_llama_dir,
@@ -87,5 +88,45 @@ def test_sigterm_finishes_in_flight_aborts_the_rest_and_exits_0(tiny_llama_dir):
         if proc.p.poll() is None:
             proc.p.kill()
     assert done.endswith("data: [DONE]\n\n") and done.count('"finish_reason":"length"') == 1
-    assert "[DONE]" not in cut  # still running when the grace period ended: aborted
-    assert "tandem serve: stopped" in "".join(proc.lines)
+    # still running when the grace period ended: failed with an error event, then [DONE]
+    assert cut.endswith('"code":null}}\n\ndata: [DONE]\n\n'), cut[-300:]
+    assert "shutting down" in cut
+    log = "".join(proc.lines)
+    assert "tandem serve: stopped" in log and "Traceback" not in log, log
+
+
+def _engine_core(pid: int) -> int:
+    """The engine core among `pid`'s children (beside multiprocessing's resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    cores = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                cores.append(child)
+    assert len(cores) == 1, (children, cores)
+    return cores[0]
+
+
+def test_a_dead_engine_fails_in_flight_requests_and_the_server_exits_1(tiny_llama_dir):
+    """So that a supervisor restarts it, instead of a server answering 503 forever."""
+    proc = ServeProcess([tiny_llama_dir, "--port", "0", "--device", "cpu", "--max-num-seqs", "1"])
+    try:
+        base = proc.url()
+        body = {"prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "n": 4}
+
+        async def main() -> str:
+            async with aiohttp.ClientSession() as s:
+                started = asyncio.Event()
+                task = asyncio.create_task(_read(s, base + "/v1/completions", body, started))
+                await started.wait()
+                os.kill(_engine_core(proc.p.pid), signal.SIGKILL)
+                return await task
+
+        text = asyncio.run(main())
+        assert proc.p.wait(timeout=60) == 1, "".join(proc.lines)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+    assert text.endswith("data: [DONE]\n\n") and "died" in text, text[-300:]
+    assert "exiting 1" in "".join(proc.lines)
