@@ -91,12 +91,16 @@ class EngineConfig:
         )
         self.block_size = check_int("block_size", self.block_size, 1, 1024)
         if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, 1024], got {self.block_size}")
+            raise ValueError(
+                f"block_size must be a power of two in [1, 1024], got {self.block_size}"
+            )
         for name in _BOOLS:
             check_bool(name, getattr(self, name))
         check_bool("async_scheduling", self.async_scheduling, optional=True)
         self.seed = check_int("seed", self.seed, 0, 2**63 - 1)
-        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        self.tensor_parallel_size = check_int(
+            "tensor_parallel_size", self.tensor_parallel_size, 1, 1024
+        )
         self.num_gpu_blocks_override = check_int(
             "num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True
         )

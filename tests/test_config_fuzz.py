@@ -135,21 +135,31 @@ def _check(cls, field: str, value, ok) -> None:
     assert str(info.value).startswith(field), (field, value, str(info.value))
 
 
+FUZZ = settings(
+    max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
 def _key(value):
     return value if value is None or isinstance(value, int) else id(value)
 
 
-@settings(max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@FUZZ
 @given(st.sampled_from(sorted(ENGINE)), VALUES)
 def test_engine_config_fuzz(field, value):
     _check(EngineConfig, field, value, ENGINE[field])
 
 
+FUZZ = settings(
+    max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
 def _key(value):
     return value if value is None or isinstance(value, int) else id(value)
 
 
-@settings(max_examples=1500, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@FUZZ
 @given(st.sampled_from(sorted(SAMPLING)), VALUES)
 def test_sampling_params_fuzz(field, value):
     _check(SamplingParams, field, value, SAMPLING[field])

@@ -569,9 +569,11 @@ class GRPOTrainer:
                       "previous checkpoint", file=sys.stderr, flush=True)
                 continue
             if failures:
-                print(f"resumed from {path.name}, the newest checkpoint that loads", file=sys.stderr, flush=True)
+                print(f"resumed from {path.name}, the newest checkpoint that loads",
+                      file=sys.stderr, flush=True)
             return step
-        raise ValueError(f"no checkpoint in {self.args.output_dir} could be loaded: " + "; ".join(failures))
+        raise ValueError(f"no checkpoint in {self.args.output_dir} could be loaded: "
+                         + "; ".join(failures))
 
     def _resume_from(self, path) -> int:
         written = json.loads((Path(path) / ckpt.TRAINER_STATE).read_text())["config"].get("fsdp", False)

@@ -112,8 +112,8 @@ def test_a_fresh_run_refuses_an_output_dir_holding_another_runs_checkpoints(tmp_
     trainer.args.overwrite_output_dir = True
     trainer.train()
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]
 
 
 def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path, capsys):

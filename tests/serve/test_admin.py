@@ -112,7 +112,8 @@ def test_a_rejected_update_changes_nothing(admin):
     before, norm, version = _greedy(admin), admin.call(_norm), admin.llm.weights_version
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/octet-stream"}
     for bad in [
-        {"model.norm.weight": norm * 3, "model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)},
+        {"model.norm.weight": norm * 3,
+         "model.layers.0.self_attn.q_proj.weight": torch.zeros(2, 2)},
         {"model.norm.weight": norm * 3, "model.embed_tokens.weight": torch.zeros(3, 5)},
         {"model.norm.weight": norm * 3, "model.no_such.weight": torch.zeros(2)},
         {"model.norm.weight": norm * 3, "model.layers.0.input_layernorm.weight":

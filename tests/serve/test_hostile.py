@@ -136,7 +136,8 @@ def test_admission_counts_sequences_and_refuses_what_can_never_fit(hostile):
         {"messages": [{"role": "user", "content": "Hi"}], "n": 9, "max_tokens": 1},
     )
     assert status == 400 and resp["error"]["param"] == "n", resp
-    status, _, resp = hostile.post("/v1/completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 1})
+    body = {"prompt": ["a", "b"], "n": 4, "max_tokens": 1}
+    status, _, resp = hostile.post("/v1/completions", body)
     assert status == 200 and len(resp["choices"]) == 8, resp
     hostile.wait_idle()
 

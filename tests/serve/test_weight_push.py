@@ -240,7 +240,8 @@ def test_an_update_with_one_bad_tensor_loads_none_of_it(admin, client):
     client.init_communicator("gloo", timeout_s=30)
     norm = admin.call(_norm_weight)
     version = admin.llm.weights_version
-    bad = [("model.norm.weight", norm * 2), ("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3))]
+    bad = [("model.norm.weight", norm * 2),
+           ("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3))]
     with pytest.raises(ServerError, match="down_proj") as e:
         client.update_named_params(bad)
     assert e.value.status == 400
