@@ -13,7 +13,13 @@ from transformers import AutoModelForCausalLM
 
 from tandem import LLM, SamplingParams
 from tandem.rl.server_client import ServerClient, ServerError
-from tandem.weights.communicator import TRAINER_RANK, Communicator, open_store
+from tandem.weights.communicator import (
+    TRAINER_RANK,
+    Communicator,
+    open_store,
+    steps_entered,
+    wait_ready,
+)
 
 from .helpers import ADMIN_KEY as KEY
 
@@ -93,8 +99,11 @@ def test_the_handlers_leave_the_event_loop_free(admin, tiny_llama_dir):
 
     norm = torch.full_like(admin.call(_norm_weight), 0.5)
     spec = {"name": "model.norm.weight", "dtype": "float32", "shape": list(norm.shape)}
+    entered = steps_entered(store)
     update = _post_in_thread(admin, "/update_named_param", spec)
     assert admin.get("/health")[0] == 200
+    # until the server is inside the receive (a request that has not got there yet would race)
+    assert wait_ready(store, entered + 1, update.done.is_set, 30), update.result()
     status, _, resp = admin.post("/update_named_params", [spec])  # one at a time
     assert status == 409 and resp["error"]["code"] == "busy"
     comm.broadcast(norm)
