@@ -51,8 +51,10 @@ def _rank_device(device: torch.device, rank: int) -> str:
     return "cpu" if device.type == "cpu" else f"cuda:{device.index + rank}"
 
 
-def start_workers(config, hf_model=None, tokenizer=None):
+def start_workers(config, hf_model=None, tokenizer=None, llm_cls=None):
     """The LLM's hook: spawn ranks 1..N-1 when tensor_parallel_size > 1 and no process group exists.
+    Each rank builds `llm_cls(**config)` (the caller's class, passed in so that this module does
+    not import the LLM that imports it) and runs the calls the driver mirrors to it.
 
     Returns (workers or None, the model the driver's engine should take). Under torchrun (a
     process group exists) it does nothing: each process is one rank already. `config` is made
@@ -106,7 +108,7 @@ def start_workers(config, hf_model=None, tokenizer=None):
         for rank in range(1, tp):
             ev = ctx.Event()
             cfg = dataclasses.replace(config, device=_rank_device(device, rank))
-            args = (rank, tp, backend, init_method, cfg, tokenizer, ev)
+            args = (rank, tp, backend, init_method, cfg, tokenizer, ev, llm_cls)
             p = ctx.Process(target=worker_main, args=args, name=f"tandem-tp{rank}", daemon=True)
             p.start()
             procs.append(p)
@@ -280,15 +282,13 @@ class TPWorkers:
 
 
 def worker_main(
-    rank: int, world_size: int, backend: str, init_method: str, config, tokenizer, ready
+    rank: int, world_size: int, backend: str, init_method: str, config, tokenizer, ready, llm_cls
 ) -> None:
     """A spawned rank: build the same LLM as the driver, then run the calls it broadcasts."""
     if config.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(config.device))
     else:  # share the host's cores with the other ranks instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    from tandem.engine.llm import LLM
-
     ready.set()
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=_STARTUP_TIMEOUT_S))
@@ -296,7 +296,7 @@ def worker_main(
     kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     if tokenizer is not None:
         kwargs["tokenizer"] = tokenizer
-    llm = LLM(**kwargs)
+    llm = llm_cls(**kwargs)
     dist.barrier(group=side)  # matches the driver's sync(): every engine is built
     while True:
         msg = [None]

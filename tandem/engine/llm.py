@@ -28,7 +28,7 @@ class LLM:
             model=None if hf_model is not None else model, tokenizer=tokenizer, **kwargs
         )
         # tensor parallel without a process group: spawn ranks 1..N-1, each runs what `mirror` sends
-        self.tp_workers, hf_model = start_workers(self.config, hf_model, tok_obj)
+        self.tp_workers, hf_model = start_workers(self.config, hf_model, tok_obj, type(self))
         self.llm_engine = LLMEngine(self.config, model=hf_model, tokenizer=tok_obj)
         if self.tp_workers is not None:
             self.tp_workers.attach(self.llm_engine.worker.model_runner)
