@@ -67,17 +67,25 @@ def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext
 
 @dataclass
 class TrainMemoryPlan:
-    """The training phase's memory, in bytes, and whether it fits in `free` with or without
-    recompute. `resident` is what the trainer already holds (weights, gradients, optimizer state
-    as measured); the activations and the head's workspace come on top during forward/backward."""
+    """The training phase's memory, in bytes, and whether it fits with or without recompute.
+
+    `resident` is what the device holds when the phase starts (the trainer's weights, the engine
+    asleep: `trainer_weights` of it are the trainer's); `gradients` and `optimizer_state` come at
+    the first backward and the first optimizer step; the activations and the head's workspace
+    come and go with each micro-batch. All of it must fit in `free` (what the device can still
+    hand out when the phase starts) times `margin`."""
 
     tokens_per_micro_batch: int
     keep: ActivationCost  # activations kept (no recompute)
     recompute: ActivationCost  # with gradient checkpointing
     num_layers: int  # backward rematerialises one layer's activations at a time
     head_workspace: int  # the fused log-prob head's fp32 logits chunk, forward and backward
-    free: int  # device memory free for the training phase (the engine asleep)
-    margin: float = 0.9  # use at most this share of `free`: fragmentation and temporaries
+    free: int
+    resident: int = 0
+    trainer_weights: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0  # still to be allocated (0 once the optimizer has state)
+    margin: float = 0.9  # fragmentation and the allocator's rounding
 
     def need(self, recompute: bool) -> int:
         T = self.tokens_per_micro_batch
@@ -86,13 +94,19 @@ class TrainMemoryPlan:
             act = self.recompute.bytes_for(T) + (act - self.recompute.bytes_for(T)) / self.num_layers
         return int(act + self.head_workspace)
 
-    def fits(self, recompute: bool) -> bool:
-        return self.need(recompute) <= self.margin * self.free
+    @property
+    def budget(self) -> float:
+        """What the activations may take: the free memory, less what the first step allocates."""
+        return self.margin * self.free - self.gradients - self.optimizer_state
+
+    def peak(self, recompute: bool) -> int:
+        """The phase's predicted peak allocation, the resident memory included."""
+        return self.resident + self.gradients + self.optimizer_state + self.need(recompute)
 
     def choose_recompute(self) -> tuple[bool, str]:
         """(recompute?, why) — recompute only when keeping the activations does not fit."""
         keep, redo = self.need(False), self.need(True)
-        budget = self.margin * self.free
+        budget = self.budget
         if keep <= budget:
             return False, (f"activations {keep / GIB:.1f} GiB fit in {budget / GIB:.1f} GiB free: "
                            "no recompute")
@@ -106,12 +120,17 @@ class TrainMemoryPlan:
             "vllm_gpu_memory_utilization so the engine holds less")
 
     def format(self) -> str:
-        rows = [("tokens per micro-batch", f"{self.tokens_per_micro_batch:,}"),
-                ("activations, kept", f"{self.need(False) / GIB:.2f} GiB"),
-                ("activations, recomputed", f"{self.need(True) / GIB:.2f} GiB"),
-                ("  of which the log-prob head", f"{self.head_workspace / GIB:.2f} GiB"),
-                ("free for the training phase", f"{self.free / GIB:.2f} GiB")]
-        return "\n".join(f"  {k:<30s} {v}" for k, v in rows)
+        g = lambda b: f"{b / GIB:7.2f} GiB"  # noqa: E731
+        rows = [("resident at the phase's start", g(self.resident)),
+                ("  of which the trainer's weights", g(self.trainer_weights)),
+                ("gradients", g(self.gradients)),
+                ("optimizer state, still to come", g(self.optimizer_state)),
+                (f"activations, kept ({self.tokens_per_micro_batch:,} tokens)", g(self.need(False))),
+                ("activations, recomputed", g(self.need(True))),
+                ("  of either, the log-prob head", g(self.head_workspace)),
+                ("free at the phase's start", g(self.free)),
+                ("predicted peak, kept / recomputed", f"{g(self.peak(False))} / {g(self.peak(True)).strip()}")]
+        return "\n".join(f"  {k:<42s} {v}" for k, v in rows)
 
 
 def free_memory(device: torch.device) -> int:

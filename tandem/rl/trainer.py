@@ -362,6 +362,7 @@ class GRPOTrainer:
         if self.recompute is None:  # the first training phase: the engine sleeps, memory is known
             self._plan_memory()
         cuda = self.device.type == "cuda"
+        optimizer_ready = bool(self.optimizer.state)  # no state before the first optimizer step
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             resident = torch.cuda.memory_allocated(self.device)
@@ -423,8 +424,10 @@ class GRPOTrainer:
         if cuda:  # what the phase took above what was resident, next to the plan's prediction
             metrics["memory/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
             metrics["memory/train_resident_gib"] = resident / GIB
-            if self.memory_plan is not None:
-                metrics["memory/train_plan_gib"] = (resident + self.memory_plan.need(self.recompute)) / GIB
+            if self.memory_plan is not None:  # this phase's prediction, from its own start
+                plan = self.memory_plan
+                to_come = plan.gradients + (0 if optimizer_ready else plan.optimizer_state)
+                metrics["memory/train_plan_gib"] = (resident + to_come + plan.need(self.recompute)) / GIB
         self._warn_if_dropped_wholesale(metrics)
         return metrics
 
@@ -451,11 +454,14 @@ class GRPOTrainer:
         redo = measure_activations(self.model, precision)
         seq = (a.max_prompt_length or 512) + a.max_completion_length
         vocab = self.model.get_output_embeddings().weight.shape[0]
+        cuda = self.device.type == "cuda"
         self.memory_plan = plan = TrainMemoryPlan(
             tokens_per_micro_batch=a.per_device_train_batch_size * seq, keep=keep, recompute=redo,
             num_layers=self.model.config.num_hidden_layers,
             head_workspace=head_workspace_bytes(vocab, head_chunk_rows(vocab)),
-            free=max(0, free_memory(self.device) - grad_bytes - optim_bytes))
+            free=free_memory(self.device), resident=torch.cuda.memory_allocated(self.device) if cuda else 0,
+            trainer_weights=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            gradients=grad_bytes, optimizer_state=optim_bytes)
         recompute, why = plan.choose_recompute()
         self._set_recompute(recompute)
         if self.dist.is_main:

@@ -56,6 +56,10 @@ def test_the_plan_recomputes_only_when_keeping_does_not_fit():
     with pytest.raises(ValueError, match="per_device_train_batch_size"):
         plan(0.01).choose_recompute()
     assert "activations, kept" in plan(1).format()
+    squeezed = plan(10)
+    squeezed.gradients = squeezed.optimizer_state = int(4.2 * GIB)  # what the first step allocates counts
+    assert squeezed.choose_recompute()[0] is True
+    assert squeezed.peak(True) == 2 * int(4.2 * GIB) + squeezed.need(True)
 
 
 def test_a_tight_budget_makes_the_trainer_recompute_with_the_same_result(tmp_path, monkeypatch):
@@ -69,7 +73,9 @@ def test_a_tight_budget_makes_the_trainer_recompute_with_the_same_result(tmp_pat
     assert roomy.recompute is False and "no recompute" in roomy.memory_plan.choose_recompute()[1]
     plan = roomy.memory_plan
     budget = (plan.need(True) + plan.need(False)) // 2  # fits only with recompute
-    monkeypatch.setattr(trainer_mod, "free_memory", lambda device: int(budget / plan.margin))
+    free = (budget + plan.gradients + plan.optimizer_state) / plan.margin
+    assert plan.gradients == sum(p.numel() * 4 for p in roomy.model.parameters())  # fp32, all trainable
+    monkeypatch.setattr(trainer_mod, "free_memory", lambda device: int(free))
     tight = make_trainer(tmp_path / "b", max_steps=1, gradient_checkpointing=None)
     got = tight.step()
     assert tight.recompute is True and is_recomputing(tight.model)
