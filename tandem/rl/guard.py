@@ -11,6 +11,7 @@ into every weight, and the run goes on generating from a broken model.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -26,6 +27,7 @@ class NonFiniteGuard:
         self.max_consecutive = max_consecutive
         self.total = 0  # skipped steps over the run
         self.consecutive = 0
+        self.warned_dropped = False
 
     def allow_step(self, step: int, finite: bool, first_bad: str | None, hint: str) -> bool:
         """Whether optimizer step `step` may touch the weights; raises after too many in a row."""
@@ -41,6 +43,30 @@ class NonFiniteGuard:
                 f"last one: {first_bad or 'unknown'}. Try {hint}"
             )
         return False
+
+
+    def warn_if_dropped_wholesale(self, step: int, metrics: dict, is_mode: str) -> None:
+        """Once a run: the engine/trainer IS correction zeroing most of a rollout means that
+        rollout taught (almost) nothing."""
+        frac = metrics.get("sampling/is_dropped_fraction")
+        if frac is None or frac < 0.5 or self.warned_dropped:
+            return
+        self.warned_dropped = True
+        warnings.warn(
+            f"step {step}: the importance-sampling correction ({is_mode}) masked or weighted below "
+            f"1e-3 {frac:.0%} of this rollout, so it barely contributes to learning; mean |engine - "
+            f"trainer logprob| is {metrics.get('sampling/sampling_logp_difference/mean', float('nan')):.3f}. "
+            "The engine and the trainer disagree on the sampling distribution (check that both see "
+            "the same weights, dtype and sampling parameters), or widen vllm_importance_sampling_clip_max.",
+            stacklevel=3,
+        )
+
+
+def nonfinite_hint(args, bf16: bool) -> str:
+    hint = f"a lower learning_rate (now {args.learning_rate:g})"
+    if bf16:
+        hint += ", bf16=False (fp32) to tell a precision problem from an unstable run"
+    return hint + ", or check the reward functions for inf/NaN."
 
 
 def is_finite(x: float | torch.Tensor) -> bool:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.rl.logprobs import head_chunk_rows
+
 GIB = 1 << 30
 
 
@@ -46,11 +48,12 @@ def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext
     model.train()
     try:
         for n in lengths:
-            seen: dict[tuple[int, int], int] = {}
+            seen: dict[tuple[int, int], int] = {}  # storage -> bytes: a tensor saved twice counts once
 
-            def pack(t: torch.Tensor) -> torch.Tensor:
+            def pack(t: torch.Tensor, seen=seen) -> torch.Tensor:
                 if t.device == device and t.data_ptr() not in params:
-                    seen[(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())] = t.untyped_storage().nbytes()
+                    storage = t.untyped_storage()
+                    seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
                 return t
 
             ids = torch.randint(0, vocab, (1, n), device=device)
@@ -120,7 +123,9 @@ class TrainMemoryPlan:
             "vllm_gpu_memory_utilization so the engine holds less")
 
     def format(self) -> str:
-        g = lambda b: f"{b / GIB:7.2f} GiB"  # noqa: E731
+        def g(b: float) -> str:
+            return f"{b / GIB:7.2f} GiB"
+
         rows = [("resident at the phase's start", g(self.resident)),
                 ("  of which the trainer's weights", g(self.trainer_weights)),
                 ("gradients", g(self.gradients)),
@@ -168,3 +173,35 @@ def head_workspace_bytes(vocab: int, chunk_rows: int) -> int:
     """The fused head keeps about three fp32 [chunk, V] buffers alive at once (logits, the
     filter's or softmax's output, the gradient)."""
     return 3 * 4 * vocab * chunk_rows
+
+
+def plan_training_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, args, device: torch.device,
+                         bf16: bool, sharded: bool) -> tuple[TrainMemoryPlan | None, bool, str]:
+    """(plan, recompute?, why) for a GRPOConfig's micro-batches, probed now: at the first training
+    phase, the engine asleep and the weights resident, with the gradients and the optimizer state
+    still to come. Recompute is switched on the model as chosen. FSDP shards cannot run the
+    probe (their root is gathered only inside the model's own forward): they recompute."""
+    if sharded:
+        set_recompute(model, True)
+        return None, True, "FSDP shards are not probed: gradient checkpointing on"
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
+    states = 2 if isinstance(optimizer, torch.optim.AdamW | torch.optim.Adam) else 1
+    optim_bytes = 0 if optimizer.state else states * sum(p.numel() * 4 for p in trainable)
+    precision = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    set_recompute(model, False)
+    keep = measure_activations(model, precision)
+    set_recompute(model, True)
+    redo = measure_activations(model, precision)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    plan = TrainMemoryPlan(
+        tokens_per_micro_batch=args.per_device_train_batch_size
+        * ((args.max_prompt_length or 512) + args.max_completion_length),
+        keep=keep, recompute=redo, num_layers=model.config.num_hidden_layers,
+        head_workspace=head_workspace_bytes(vocab, head_chunk_rows(vocab)), free=free_memory(device),
+        resident=torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
+        trainer_weights=sum(p.numel() * p.element_size() for p in model.parameters()),
+        gradients=grad_bytes, optimizer_state=optim_bytes)
+    recompute, why = plan.choose_recompute()
+    set_recompute(model, recompute)
+    return plan, recompute, why

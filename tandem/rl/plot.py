@@ -25,7 +25,8 @@ def plot_reward_curve(output_dir: str, path: str | None = None,
         return None
     from tandem.bench.report import pyplot, save_figure
 
-    rows = [json.loads(line) for line in open(metrics) if line.strip()]
+    with open(metrics) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     ax = axes[0][0]

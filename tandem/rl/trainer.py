@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,23 +29,16 @@ from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.generation import ColocatedGenerator, ServerGenerator
-from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite
+from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite, nonfinite_hint
 from tandem.rl.logging import MetricsLogger
-from tandem.rl.logprobs import SamplingFilter, completion_logps, head_chunk_rows
+from tandem.rl.logprobs import SamplingFilter, completion_logps
 from tandem.rl.loss import (
     group_advantages,
     grpo_loss,
     loss_kwargs_from_config,
     reward_metrics,
 )
-from tandem.rl.memory_plan import (
-    GIB,
-    TrainMemoryPlan,
-    free_memory,
-    head_workspace_bytes,
-    measure_activations,
-    set_recompute,
-)
+from tandem.rl.memory_plan import GIB, TrainMemoryPlan, plan_training_memory, set_recompute
 from tandem.rl.optim import build_optimizer, build_scheduler
 from tandem.rl.reward_models import prepare_reward_funcs
 from tandem.rl.rewards import RewardComputer, wrap_completions
@@ -110,7 +102,7 @@ class GRPOTrainer:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.recompute: bool | None = args.gradient_checkpointing  # None: the memory plan decides
         if self.recompute:
-            self._set_recompute(True)
+            set_recompute(self.model, True)
         self.llm = None
         if args.vllm_mode == "colocate":  # built from the full model, before any sharding
             self.llm = self._build_engine(engine_kwargs or {})
@@ -153,7 +145,6 @@ class GRPOTrainer:
         self.sampling_filter = filt if filt.active else None
         self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
         self.memory_plan: TrainMemoryPlan | None = None
-        self._warned_dropped = False
         self.global_step = 0
         self.logger: MetricsLogger | None = None
         self.callback_handler = callbacks_mod.make_callback_handler(
@@ -411,7 +402,7 @@ class GRPOTrainer:
                 if not finite and first_bad is None:
                     first_bad = first_nonfinite_grad(self.model)
                 self.global_step += 1
-                if self.guard.allow_step(self.global_step, finite, first_bad, self._nonfinite_hint()):
+                if self.guard.allow_step(self.global_step, finite, first_bad, nonfinite_hint(a, self.use_bf16)):
                     self.optimizer.step()
                     self.scheduler.step()
                     self.generator.mark_stale()
@@ -428,67 +419,16 @@ class GRPOTrainer:
                 plan = self.memory_plan
                 to_come = plan.gradients + (0 if optimizer_ready else plan.optimizer_state)
                 metrics["memory/train_plan_gib"] = (resident + to_come + plan.need(self.recompute)) / GIB
-        self._warn_if_dropped_wholesale(metrics)
+        self.guard.warn_if_dropped_wholesale(self.global_step, metrics, a.vllm_importance_sampling_mode)
         return metrics
 
-    def _set_recompute(self, on: bool) -> None:
-        set_recompute(self.model, on)
-        self.recompute = on
-
     def _plan_memory(self) -> None:
-        """gradient_checkpointing=None: recompute only if the activations of one micro-batch do not
-        fit in what is free now (the engine asleep, the weights resident), after the gradients and
-        the optimizer state still to come. A sharded model cannot run the probe: it recomputes."""
-        a = self.args
-        if self.strategy.sharded:
-            self._set_recompute(True)
-            logger.info("memory plan: FSDP shards are not probed; gradient checkpointing on")
-            return
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        grad_bytes = sum(p.numel() * p.element_size() for p in trainable if p.grad is None)
-        states = 2 if isinstance(self.optimizer, torch.optim.AdamW | torch.optim.Adam) else 1
-        optim_bytes = 0 if self.optimizer.state else states * sum(p.numel() * 4 for p in trainable)
-        precision = (lambda: torch.autocast(self.device.type, dtype=torch.bfloat16)) if self.use_bf16 else nullcontext
-        keep = measure_activations(self.model, precision)
-        self._set_recompute(True)
-        redo = measure_activations(self.model, precision)
-        seq = (a.max_prompt_length or 512) + a.max_completion_length
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        cuda = self.device.type == "cuda"
-        self.memory_plan = plan = TrainMemoryPlan(
-            tokens_per_micro_batch=a.per_device_train_batch_size * seq, keep=keep, recompute=redo,
-            num_layers=self.model.config.num_hidden_layers,
-            head_workspace=head_workspace_bytes(vocab, head_chunk_rows(vocab)),
-            free=free_memory(self.device), resident=torch.cuda.memory_allocated(self.device) if cuda else 0,
-            trainer_weights=sum(p.numel() * p.element_size() for p in self.model.parameters()),
-            gradients=grad_bytes, optimizer_state=optim_bytes)
-        recompute, why = plan.choose_recompute()
-        self._set_recompute(recompute)
+        """gradient_checkpointing=None: the memory plan decides, at the first training phase."""
+        plan, recompute, why = plan_training_memory(self.model, self.optimizer, self.args, self.device,
+                                                    self.use_bf16, self.strategy.sharded)
+        self.memory_plan, self.recompute = plan, recompute
         if self.dist.is_main:
-            logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format(), why)
-
-    def _nonfinite_hint(self) -> str:
-        a = self.args
-        hint = f"a lower learning_rate (now {a.learning_rate:g})"
-        if self.use_bf16:
-            hint += ", bf16=False (fp32) to tell a precision problem from an unstable run"
-        return hint + ", or check the reward functions for inf/NaN."
-
-    def _warn_if_dropped_wholesale(self, metrics: dict) -> None:
-        """The engine/trainer IS correction zeroing most of a rollout means nothing is being learned."""
-        frac = metrics.get("sampling/is_dropped_fraction")
-        if frac is None or frac < 0.5 or self._warned_dropped:
-            return
-        self._warned_dropped = True
-        warnings.warn(
-            f"step {self.global_step}: the importance-sampling correction "
-            f"({self.args.vllm_importance_sampling_mode}) masked or weighted below 1e-3 {frac:.0%} "
-            f"of this rollout, so it barely contributes to learning; mean |engine - trainer logprob| is "
-            f"{metrics.get('sampling/sampling_logp_difference/mean', float('nan')):.3f}. The engine "
-            "and the trainer disagree on the sampling distribution (check that both see the same "
-            "weights, dtype and sampling parameters), or widen vllm_importance_sampling_clip_max.",
-            stacklevel=2,
-        )
+            logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format() if plan else "", why)
 
     def _logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()

@@ -17,7 +17,7 @@ def test_default_grpo_run_learns_in_bf16(tmp_path, seed):
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "tandem.cli", "train", "grpo", "--seed", str(seed),
                           "--output-dir", str(out), "--report-to", "jsonl"],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from tests.rl.test_trainer import make_trainer
 
 from tandem.rl.guard import NonFiniteGuard, NonFiniteStepError
+from tests.rl.test_trainer import make_trainer
 
 
 def weights(model):

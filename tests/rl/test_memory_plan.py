@@ -65,7 +65,7 @@ def test_the_plan_recomputes_only_when_keeping_does_not_fit():
 def test_a_tight_budget_makes_the_trainer_recompute_with_the_same_result(tmp_path, monkeypatch):
     """gradient_checkpointing=None: the plan decides at the first training phase; squeezed, it
     chooses recompute, and the step is the unconstrained one (fp32, tiny model)."""
-    from tandem.rl import trainer as trainer_mod
+    from tandem.rl import memory_plan as plan_mod
     from tests.rl.test_trainer import make_trainer
 
     roomy = make_trainer(tmp_path / "a", max_steps=1, gradient_checkpointing=None)
@@ -75,13 +75,13 @@ def test_a_tight_budget_makes_the_trainer_recompute_with_the_same_result(tmp_pat
     budget = (plan.need(True) + plan.need(False)) // 2  # fits only with recompute
     free = (budget + plan.gradients + plan.optimizer_state) / plan.margin
     assert plan.gradients == sum(p.numel() * 4 for p in roomy.model.parameters())  # fp32, all trainable
-    monkeypatch.setattr(trainer_mod, "free_memory", lambda device: int(free))
+    monkeypatch.setattr(plan_mod, "free_memory", lambda device: int(free))
     tight = make_trainer(tmp_path / "b", max_steps=1, gradient_checkpointing=None)
     got = tight.step()
     assert tight.recompute is True and is_recomputing(tight.model)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     for (n, a), b in zip(roomy.model.named_parameters(), tight.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)
-    monkeypatch.setattr(trainer_mod, "free_memory", lambda device: 1)
+    monkeypatch.setattr(plan_mod, "free_memory", lambda device: 1)
     with pytest.raises(ValueError, match="even with gradient checkpointing"):
         make_trainer(tmp_path / "c", max_steps=1, gradient_checkpointing=None).step()
