@@ -10,12 +10,10 @@ import copy
 import functools
 import json
 import logging
-import math
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -29,21 +27,17 @@ from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
 from tandem.rl.generation import ColocatedGenerator, ServerGenerator
-from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite, nonfinite_hint
 from tandem.rl.logging import MetricsLogger
-from tandem.rl.logprobs import SamplingFilter, completion_logps
 from tandem.rl.loss import (
     group_advantages,
-    grpo_loss,
-    loss_kwargs_from_config,
     reward_metrics,
 )
-from tandem.rl.memory_plan import GIB, TrainMemoryPlan, plan_training_memory, set_recompute
 from tandem.rl.optim import build_optimizer, build_scheduler
 from tandem.rl.reward_models import prepare_reward_funcs
 from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
 from tandem.rl.strategy import make_strategy
+from tandem.rl.update import PolicyUpdate
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,9 +94,6 @@ class GRPOTrainer:
         self.ref_model = None
         if args.beta != 0.0 and peft_config is None:  # with LoRA: the model, adapter disabled
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.recompute: bool | None = args.gradient_checkpointing  # None: the memory plan decides
-        if self.recompute:
-            set_recompute(self.model, True)
         self.llm = None
         if args.vllm_mode == "colocate":  # built from the full model, before any sharding
             self.llm = self._build_engine(engine_kwargs or {})
@@ -138,13 +129,8 @@ class GRPOTrainer:
         except TypeError as exc:
             raise ValueError(f"generation_kwargs={args.generation_kwargs!r}: {exc} (they are "
                              "tandem.SamplingParams fields, as vLLM's)") from exc
-        self.loss_kwargs = loss_kwargs_from_config(args)
-        # With top-k/top-p/min-p the engine reports logprobs of the truncated distribution: the
-        # trainer scores under the same one, so the engine/trainer ratio stays at 1.
-        filt = SamplingFilter(args.top_k, args.top_p, args.min_p)
-        self.sampling_filter = filt if filt.active else None
-        self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
-        self.memory_plan: TrainMemoryPlan | None = None
+        self.update = PolicyUpdate(self.model, self.ref_model, self.optimizer, self.scheduler, self.strategy,
+                                   self.dist, args, self.device, self.use_bf16)
         self.global_step = 0
         self.logger: MetricsLogger | None = None
         self.callback_handler = callbacks_mod.make_callback_handler(
@@ -330,7 +316,8 @@ class GRPOTrainer:
         rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
         advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
         marks.append(time.perf_counter())
-        train_metrics = self._train_on(rollout, advantages.to(self.device))
+        data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
+        train_metrics = self.update.run(data, advantages.to(self.device), self.state, self.generator.mark_stale)
         marks.append(time.perf_counter())
         # phase -> (perf_counter start, end), for GPU monitors; the logged times are their lengths
         spans = self.last_phase_spans = dict(zip(PHASES, zip(marks, marks[1:])))
@@ -346,98 +333,6 @@ class GRPOTrainer:
         if not self._in_train and self.logger is not None and self.global_step % max(1, int(a.logging_steps)) == 0:
             self._log(metrics, self._completions_to_log)
         return metrics
-
-    def _train_on(self, rollout: Rollout, advantages: torch.Tensor) -> dict:
-        a = self.args
-        data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
-        if self.recompute is None:  # the first training phase: the engine sleeps, memory is known
-            self._plan_memory()
-        cuda = self.device.type == "cuda"
-        optimizer_ready = bool(self.optimizer.state)  # no state before the first optimizer step
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            resident = torch.cuda.memory_allocated(self.device)
-        N = data["completion_mask"].shape[0]
-        mb = a.per_device_train_batch_size
-        micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
-        needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
-        old_logp = self._logps(self.model, data, no_grad=True) if needs_old else None
-        ref_logp = self._logps(self.ref_model, data, no_grad=True) if self.ref_model is not None else None
-        sums: dict[str, float] = {}
-        count = 0
-        ga = a.gradient_accumulation_steps
-        for _ in range(a.num_iterations):
-            for g in range(0, len(micro), ga):
-                group = micro[g : g + ga]
-                # dapo divides by the tokens of the whole step, all ranks'; the other loss types
-                # average over all ranks' micro-batches: the gradient all-reduce is then a SUM.
-                tokens = self.dist.all_reduce_sum(sum(data["completion_mask"][s].sum() for s in group))
-                num_micro = len(group) * self.dist.world_size
-                first_bad = None
-                for s in group:
-                    logp = self._logps(self.model, data, rows=s)
-                    loss, m = grpo_loss(
-                        logp, None if old_logp is None else old_logp[s], advantages[s],
-                        data["completion_mask"][s], engine_logp=data["engine_logp"][s]
-                        if a.vllm_importance_sampling_correction else None,
-                        ref_logp=None if ref_logp is None else ref_logp[s],
-                        num_items_in_batch=tokens, num_micro_batches=num_micro, **self.loss_kwargs,
-                    )
-                    loss.backward()
-                    m["loss"] = loss.detach() * num_micro
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    if first_bad is None and not is_finite(m["loss"]):
-                        what = "logprobs" if not torch.isfinite(logp.detach()).all() else "loss"
-                        first_bad = f"the trainer's {what} of rows {s.start}-{s.stop - 1}"
-                    count += 1
-                self.strategy.reduce_grads(self.model)
-                # The norm is global (after the all-reduce / over every shard); inf max_norm only
-                # measures it. A NaN norm must not reach clipping: it would scale every gradient by NaN.
-                norm = self.strategy.clip_grad_norm(self.model.parameters(), a.max_grad_norm or math.inf)
-                local_bad = torch.tensor(float(first_bad is not None), device=self.device)
-                finite = is_finite(norm) and float(self.dist.all_reduce_sum(local_bad)) == 0
-                if a.max_grad_norm:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm * len(group)
-                if not finite and first_bad is None:
-                    first_bad = first_nonfinite_grad(self.model)
-                self.global_step += 1
-                if self.guard.allow_step(self.global_step, finite, first_bad, nonfinite_hint(a, self.use_bf16)):
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.generator.mark_stale()
-                self.optimizer.zero_grad(set_to_none=True)
-        sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
-        count = sums.pop("_count")
-        metrics = {k: v / max(1, count) for k, v in sums.items()}
-        metrics["train/nonfinite_steps"] = self.guard.total
-        metrics["memory/recompute"] = float(self.recompute)
-        if cuda:  # what the phase took above what was resident, next to the plan's prediction
-            metrics["memory/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
-            metrics["memory/train_resident_gib"] = resident / GIB
-            if self.memory_plan is not None:  # this phase's prediction, from its own start
-                plan = self.memory_plan
-                to_come = plan.gradients + (0 if optimizer_ready else plan.optimizer_state)
-                metrics["memory/train_plan_gib"] = (resident + to_come + plan.need(self.recompute)) / GIB
-        self.guard.warn_if_dropped_wholesale(self.global_step, metrics, a.vllm_importance_sampling_mode)
-        return metrics
-
-    def _plan_memory(self) -> None:
-        """gradient_checkpointing=None: the memory plan decides, at the first training phase."""
-        plan, recompute, why = plan_training_memory(self.model, self.optimizer, self.args, self.device,
-                                                    self.use_bf16, self.strategy.sharded)
-        self.memory_plan, self.recompute = plan, recompute
-        if self.dist.is_main:
-            logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format() if plan else "", why)
-
-    def _logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
-        with torch.no_grad() if no_grad else nullcontext(), autocast:
-            return completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
-                                    data["prompt_lengths"][rows], data["completion_mask"].shape[1],
-                                    self.args.temperature, self.args.per_device_train_batch_size,
-                                    head_dtype=torch.bfloat16 if self.use_bf16 else None,
-                                    sampling=self.sampling_filter)
 
     def _rollout_metrics(self, r: Rollout) -> dict:
         lens = self.dist.all_gather(torch.tensor([len(c) for c in r.completion_ids], dtype=torch.float32))

@@ -13,7 +13,7 @@ def weights(model):
 
 def poison_logps(trainer, monkeypatch, steps: set[int]):
     """The trainer's logprobs turn NaN on the given optimizer steps (1-based)."""
-    real = trainer._logps
+    real = trainer.update.logps
 
     def logps(model, data, rows=slice(None), no_grad=False):
         out = real(model, data, rows, no_grad)
@@ -21,7 +21,7 @@ def poison_logps(trainer, monkeypatch, steps: set[int]):
             out = out * torch.tensor(float("nan"))
         return out
 
-    monkeypatch.setattr(trainer, "_logps", logps)
+    monkeypatch.setattr(trainer.update, "logps", logps)
 
 
 def test_a_nonfinite_step_touches_nothing_and_training_goes_on(tmp_path, monkeypatch):
@@ -39,7 +39,7 @@ def test_a_nonfinite_step_touches_nothing_and_training_goes_on(tmp_path, monkeyp
     assert trainer.scheduler.last_epoch == sched
     assert all(p.grad is None for p in trainer.model.parameters())  # its gradients were dropped
     m = trainer.step()  # finite again: it learns
-    assert m["train/nonfinite_steps"] == 1 and trainer.guard.consecutive == 0
+    assert m["train/nonfinite_steps"] == 1 and trainer.update.guard.consecutive == 0
     assert any(not torch.equal(after[n], p) for n, p in weights(trainer.model).items())
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 

@@ -70,15 +70,15 @@ def test_a_tight_budget_makes_the_trainer_recompute_with_the_same_result(tmp_pat
 
     roomy = make_trainer(tmp_path / "a", max_steps=1, gradient_checkpointing=None)
     want = roomy.step()
-    assert roomy.recompute is False and "no recompute" in roomy.memory_plan.choose_recompute()[1]
-    plan = roomy.memory_plan
+    assert roomy.update.recompute is False and "no recompute" in roomy.update.memory_plan.choose_recompute()[1]
+    plan = roomy.update.memory_plan
     budget = (plan.need(True) + plan.need(False)) // 2  # fits only with recompute
     free = (budget + plan.gradients + plan.optimizer_state) / plan.margin
     assert plan.gradients == sum(p.numel() * 4 for p in roomy.model.parameters())  # fp32, all trainable
     monkeypatch.setattr(plan_mod, "free_memory", lambda device: int(free))
     tight = make_trainer(tmp_path / "b", max_steps=1, gradient_checkpointing=None)
     got = tight.step()
-    assert tight.recompute is True and is_recomputing(tight.model)
+    assert tight.update.recompute is True and is_recomputing(tight.model)
     assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     for (n, a), b in zip(roomy.model.named_parameters(), tight.model.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)

@@ -20,7 +20,7 @@ def test_top_p_top_k_rollouts_agree_with_the_trainer(tmp_path):
 def test_without_the_filter_the_trainer_would_disagree(tmp_path):
     """The check above has teeth: scored over the full vocabulary, the same rollouts are off."""
     trainer = make_trainer(tmp_path, max_steps=1, bf16=False, **TOP)
-    trainer.sampling_filter = None
+    trainer.update.sampling_filter = None
     with pytest.warns(UserWarning, match="masked or weighted below"):
         m = trainer.step()
     assert m["sampling/sampling_logp_difference/mean"] > 0.1

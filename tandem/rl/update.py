@@ -1,0 +1,139 @@
+"""The training phase of a GRPO step: one packed rollout's logprobs, the loss, backward and the
+optimizer steps, each guarded against non-finite values (`guard.py`), with recompute chosen by the
+memory plan (`memory_plan.py`). The trainer (`trainer.py`) generates and scores; this optimises.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from tandem.rl.config import GRPOConfig
+from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite, nonfinite_hint
+from tandem.rl.logprobs import SamplingFilter, completion_logps
+from tandem.rl.loss import grpo_loss, loss_kwargs_from_config
+from tandem.rl.memory_plan import GIB, TrainMemoryPlan, plan_training_memory, set_recompute
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyUpdate:
+    """Built once the model is final (LoRA applied, FSDP shards laid out) and the optimizer and
+    schedule exist."""
+
+    def __init__(self, model, ref_model, optimizer, scheduler, strategy, dist, args: GRPOConfig,
+                 device: torch.device, use_bf16: bool):
+        self.model, self.ref_model = model, ref_model
+        self.optimizer, self.scheduler = optimizer, scheduler
+        self.strategy, self.dist, self.args = strategy, dist, args
+        self.device, self.use_bf16 = device, use_bf16
+        self.loss_kwargs = loss_kwargs_from_config(args)
+        # With top-k/top-p/min-p the engine reports logprobs of the truncated distribution: the
+        # trainer scores under the same one, so the engine/trainer ratio stays at 1.
+        filt = SamplingFilter(args.top_k, args.top_p, args.min_p)
+        self.sampling_filter = filt if filt.active else None
+        self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
+        self.memory_plan: TrainMemoryPlan | None = None
+        self.recompute: bool | None = args.gradient_checkpointing  # None: the memory plan decides
+        if self.recompute:
+            set_recompute(model, True)
+
+    def run(self, data: dict, advantages: torch.Tensor, state, on_weights_changed: Callable[[], None]) -> dict:
+        """Optimise on one packed rollout (`rollout.pack`): num_iterations passes of
+        gradient-accumulated optimizer steps, counted in `state.global_step`; returns the means of
+        the metrics over every rank's micro-batches."""
+        a = self.args
+        if self.recompute is None:  # the first training phase: the engine sleeps, memory is known
+            self._plan_memory()
+        cuda = self.device.type == "cuda"
+        optimizer_ready = bool(self.optimizer.state)  # no state before the first optimizer step
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            resident = torch.cuda.memory_allocated(self.device)
+        N = data["completion_mask"].shape[0]
+        mb = a.per_device_train_batch_size
+        micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
+        needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
+        old_logp = self.logps(self.model, data, no_grad=True) if needs_old else None
+        ref_logp = self.logps(self.ref_model, data, no_grad=True) if self.ref_model is not None else None
+        sums: dict[str, float] = {}
+        count = 0
+        ga = a.gradient_accumulation_steps
+        for _ in range(a.num_iterations):
+            for g in range(0, len(micro), ga):
+                group = micro[g : g + ga]
+                # dapo divides by the tokens of the whole step, all ranks'; the other loss types
+                # average over all ranks' micro-batches: the gradient all-reduce is then a SUM.
+                tokens = self.dist.all_reduce_sum(sum(data["completion_mask"][s].sum() for s in group))
+                num_micro = len(group) * self.dist.world_size
+                first_bad = None
+                for s in group:
+                    logp = self.logps(self.model, data, rows=s)
+                    loss, m = grpo_loss(
+                        logp, None if old_logp is None else old_logp[s], advantages[s],
+                        data["completion_mask"][s], engine_logp=data["engine_logp"][s]
+                        if a.vllm_importance_sampling_correction else None,
+                        ref_logp=None if ref_logp is None else ref_logp[s],
+                        num_items_in_batch=tokens, num_micro_batches=num_micro, **self.loss_kwargs,
+                    )
+                    loss.backward()
+                    m["loss"] = loss.detach() * num_micro
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                    if first_bad is None and not is_finite(m["loss"]):
+                        what = "logprobs" if not torch.isfinite(logp.detach()).all() else "loss"
+                        first_bad = f"the trainer's {what} of rows {s.start}-{s.stop - 1}"
+                    count += 1
+                self.strategy.reduce_grads(self.model)
+                # The norm is global (after the all-reduce / over every shard); inf max_norm only
+                # measures it. A NaN norm must not reach clipping: it would scale every gradient by NaN.
+                norm = self.strategy.clip_grad_norm(self.model.parameters(), a.max_grad_norm or math.inf)
+                local_bad = torch.tensor(float(first_bad is not None), device=self.device)
+                finite = is_finite(norm) and float(self.dist.all_reduce_sum(local_bad)) == 0
+                if a.max_grad_norm:
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm * len(group)
+                if not finite and first_bad is None:
+                    first_bad = first_nonfinite_grad(self.model)
+                state.global_step += 1
+                if self.guard.allow_step(state.global_step, finite, first_bad, nonfinite_hint(a, self.use_bf16)):
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    on_weights_changed()
+                self.optimizer.zero_grad(set_to_none=True)
+        sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
+        count = sums.pop("_count")
+        metrics = {k: v / max(1, count) for k, v in sums.items()}
+        metrics["train/nonfinite_steps"] = self.guard.total
+        metrics["memory/recompute"] = float(self.recompute)
+        if cuda:  # what the phase took above what was resident, next to the plan's prediction
+            metrics["memory/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+            metrics["memory/train_resident_gib"] = resident / GIB
+            if self.memory_plan is not None:  # this phase's prediction, from its own start
+                plan = self.memory_plan
+                to_come = plan.gradients + (0 if optimizer_ready else plan.optimizer_state)
+                metrics["memory/train_plan_gib"] = (resident + to_come + plan.need(self.recompute)) / GIB
+        self.guard.warn_if_dropped_wholesale(state.global_step, metrics, a.vllm_importance_sampling_mode)
+        return metrics
+
+    def _plan_memory(self) -> None:
+        """gradient_checkpointing=None: the memory plan decides, at the first training phase."""
+        plan, recompute, why = plan_training_memory(self.model, self.optimizer, self.args, self.device,
+                                                    self.use_bf16, self.strategy.sharded)
+        self.memory_plan, self.recompute = plan, recompute
+        if self.dist.is_main:
+            logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format() if plan else "", why)
+
+    def logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
+        """Per-token logprobs [rows, T] of the packed rollout's completions under `model`, in the
+        trainer's precision and under the engine's sampling distribution."""
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+        with torch.no_grad() if no_grad else nullcontext(), autocast:
+            return completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
+                                    data["prompt_lengths"][rows], data["completion_mask"].shape[1],
+                                    self.args.temperature, self.args.per_device_train_batch_size,
+                                    head_dtype=torch.bfloat16 if self.use_bf16 else None,
+                                    sampling=self.sampling_filter)
