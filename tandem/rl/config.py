@@ -101,6 +101,9 @@ class GRPOConfig:
     # Accepted for TRL scripts: tandem's logprobs are its own chunked kernel (no [N, V] fp32 copy),
     # which is what Liger's fused loss saves; Liger itself is not used.
     use_liger_kernel: bool = False
+    # Each micro-batch's rows packed into one sequence (TRL's SFTConfig name): no FLOP on padding,
+    # whatever the spread of completion lengths; same numbers as padded rows (`tandem.rl.packing`).
+    padding_free: bool = False
 
     # Loss.
     beta: float = 0.0  # KL coefficient; 0 means no reference model is kept

@@ -17,12 +17,14 @@ length, T = completion tokens.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from tandem.layers.linear import linear_fp32_out
 from tandem.layers.sampler import apply_min_p, apply_top_k_top_p
+from tandem.rl.packing import ATTENTION, pack_rows, register
 
 _CHUNK_BYTES = 1 << 28  # fp32 logits of one chunk: 256 MiB
 
@@ -137,6 +139,7 @@ def completion_logps(
     micro_batch_size: int | None = None,
     head_dtype: torch.dtype | None = None,
     sampling: SamplingFilter | None = None,
+    padding_free: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs [B, T] (fp32) of each row's completion under an HF causal LM.
 
@@ -144,7 +147,8 @@ def completion_logps(
     padding: a left-padded row has query positions that attend to nothing, and SDPA's bf16
     backward turns those fully masked rows into NaN gradients. Row i's completion starts at
     prompt_lengths[i]; positions count from 0 at each row's first token, as the engine numbers
-    them. Completion positions past a row's end score 0.
+    them. Completion positions past a row's end score 0. `padding_free`: each micro-batch's rows
+    run as one packed sequence (`tandem.rl.packing`), so no FLOP goes to padding.
     """
     B, L = input_ids.shape
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -162,16 +166,39 @@ def completion_logps(
         rows = slice(s, s + step)
         v = valid[rows]
         b_idx = torch.arange(v.shape[0], device=v.device)[:, None].expand_as(v)[v]
-        scorer = _ScoringHead(head, b_idx, tgt_pos[rows][v] - 1, targets[rows][v], temperature,
-                              head_dtype, sampling)
+        pred_pos = tgt_pos[rows][v] - 1  # the state that predicts each token
+        if padding_free:
+            packed = pack_rows(input_ids[rows], attention_mask[rows])
+            pred_pos, b_idx = packed["row_starts"][b_idx] + pred_pos, torch.zeros_like(b_idx)
+            kw = dict(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
+                      cu_seq_lens_q=packed["cu_seqlens"], cu_seq_lens_k=packed["cu_seqlens"],
+                      max_length_q=packed["max_len"], max_length_k=packed["max_len"])
+        else:
+            kw = dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=positions[rows])
+        scorer = _ScoringHead(head, b_idx, pred_pos, targets[rows][v], temperature, head_dtype, sampling)
         model.set_output_embeddings(scorer)
         try:  # the model's own forward, so a sharded (FSDP) root gathers the head's weight
-            lp_N = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                         position_ids=positions[rows], logits_to_keep=0, use_cache=False).logits
+            with _attention(model, ATTENTION if padding_free else None):
+                lp_N = model(**kw, logits_to_keep=0, use_cache=False).logits
         finally:
             model.set_output_embeddings(head)
         out[rows] = out[rows].masked_scatter(v, lp_N)
     return out
+
+
+@contextlib.contextmanager
+def _attention(model: torch.nn.Module, implementation: str | None):
+    """The model's attention implementation switched for one forward pass (None: as it is)."""
+    if implementation is None:
+        yield
+        return
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = register()
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class _ScoringHead(torch.nn.Module):

@@ -136,4 +136,4 @@ class PolicyUpdate:
                                     data["prompt_lengths"][rows], data["completion_mask"].shape[1],
                                     self.args.temperature, self.args.per_device_train_batch_size,
                                     head_dtype=torch.bfloat16 if self.use_bf16 else None,
-                                    sampling=self.sampling_filter)
+                                    sampling=self.sampling_filter, padding_free=self.args.padding_free)

@@ -143,3 +143,73 @@ def test_completion_logps_gradients_match_the_full_logits_path(tiny_model):
     total.backward()
     for n, p in tiny_model.named_parameters():
         torch.testing.assert_close(fused[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_padding_free_logprobs_and_gradients_equal_the_padded_ones(arch):
+    """Packing changes no number: per-token logprobs and every parameter's gradient (fp32)."""
+    from model_fixtures import make_tiny_model
+
+    model = make_tiny_model(arch, seed=4).train()
+    torch.manual_seed(5)
+    lengths, plen = [9, 5, 12, 7], torch.tensor([3, 2, 6, 4])
+    L, T = max(lengths), 8
+    ids = torch.randint(3, 300, (4, L))
+    am = torch.zeros(4, L, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        am[i, :n] = 1
+    weights = torch.randn(4, T)
+    grads = []
+    for padding_free in (False, True):
+        model.zero_grad()
+        lp = completion_logps(model, ids, am, plen, T, 0.9, micro_batch_size=3, padding_free=padding_free)
+        lp.mul(weights).sum().backward()
+        grads.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = grads
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    assert model.config._attn_implementation != "tandem_varlen"  # switched back after the pass
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
+def test_a_padding_free_step_is_the_padded_step(tmp_path, loss_type):
+    from tests.rl.test_trainer import make_trainer
+
+    # SGD: the weights move by lr x gradient, so equal weights after the step are equal gradients
+    steps = [make_trainer(tmp_path / str(p), max_steps=1, gradient_accumulation_steps=1, optim="sgd",
+                          loss_type=loss_type, padding_free=p) for p in (False, True)]
+    before = {n: p.detach().clone() for n, p in steps[0].model.named_parameters()}
+    padded, packed = (t.step() for t in steps)
+    assert any(not torch.equal(before[n], p) for n, p in steps[0].model.named_parameters())
+    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-5)
+    assert packed["sampling/sampling_logp_difference/max"] < 1e-4  # the engine agrees with both
+    for (n, a), b in zip(steps[0].model.named_parameters(), steps[1].model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+def test_padding_free_on_the_gpu_in_bf16_agrees_with_padded_rows():
+    """On CUDA in bf16 the packed rows run torch's varlen flash attention (where this torch has
+    it): the same logprobs as SDPA on padded rows up to bf16 rounding, and finite gradients."""
+    from model_fixtures import make_tiny_model
+
+    from tandem.rl.packing import _flash_varlen
+
+    model = make_tiny_model("qwen2", seed=4).cuda().train()
+    torch.manual_seed(5)
+    lengths, plen = [90, 50, 120, 70], torch.tensor([30, 20, 60, 40], device="cuda")
+    ids = torch.randint(3, 300, (4, 120), device="cuda")
+    am = torch.zeros(4, 120, dtype=torch.long, device="cuda")
+    for i, n in enumerate(lengths):
+        am[i, :n] = 1
+    out = []
+    for padding_free in (False, True):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp = completion_logps(model, ids, am, plen, 64, head_dtype=torch.bfloat16, padding_free=padding_free)
+        lp.sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        out.append(lp.detach())
+    print("varlen flash attention:", _flash_varlen() is not None)
+    assert (out[0] - out[1]).abs().mean() < 0.02
