@@ -33,6 +33,7 @@ class ColocationConfig:
     max_tokens: int = 32
     trainer_turn_s: float = 1.0  # asleep this long before the second timed wake
     output: str | None = None
+    print_json: bool = False
 
 
 def _timed(fn) -> float:
@@ -161,19 +162,25 @@ def run(cfg: ColocationConfig) -> dict:
         torch.cuda.empty_cache()
     print_table(results, cfg.trainer_turn_s)
     report = make_report("colocation", asdict(cfg), results)
-    finish(report, cfg.output)
+    finish(report, cfg.output, cfg.print_json)
     return report
 
 
 def add_parser(subparsers) -> None:
+    from tandem.bench.report import add_output_args
+
     d = ColocationConfig()
     p = subparsers.add_parser("colocation", help="sleep / wake / weight-update costs on a GPU")
-    for name in ("model", "load_format", "backends", "output"):
-        p.add_argument("--" + name.replace("_", "-"), default=getattr(d, name))
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--model", default=d.model, help="architecture preset or local HF model dir")
+    p.add_argument("--load-format", default=d.load_format,
+                   help="dummy: random weights; auto: the model dir's own")
+    p.add_argument("--backends", default=d.backends, help="comma list of sleep backends: cumem, recapture")
+    add_output_args(p)
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="the engine's share of GPU memory")
+    p.add_argument("--repeats", type=int, default=d.repeats, help="sleep/wake cycles (medians reported)")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts of the greedy check")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="tokens of the greedy check")
     p.add_argument("--trainer-turn-s", type=float, default=d.trainer_turn_s,
                    help="seconds asleep before the headline wake (the trainer's turn)")
     p.set_defaults(func=lambda a: run(ColocationConfig(**{k: v for k, v in vars(a).items()

@@ -271,9 +271,19 @@ def plot_timeline(
     save_figure(fig, path)
 
 
-def finish(report: dict, output: str | None) -> int:
-    """Write the file if asked, then end with the one line of JSON (STYLE.md §7)."""
+def finish(report: dict, output: str | None, print_json: bool = False) -> int:
+    """Write the full report to `output` if asked; `print_json`: end stdout with its one line of
+    JSON for machines (STYLE.md §7). Without it stdout keeps the table alone."""
     if output:
         write_json(report, output)
-    print(json_line(report), flush=True)
+        print(f"report written to {output}", flush=True)
+    if print_json:
+        print(json_line(report), flush=True)
     return 0
+
+
+def add_output_args(p, output_help: str = "write the full JSON report here") -> None:
+    """--output FILE and --json, the same on every bench command."""
+    p.add_argument("--output", default=None, help=output_help)
+    p.add_argument("--json", dest="print_json", action="store_true",
+                   help="end stdout with the report as one line of JSON (bulky lists left out)")

@@ -18,7 +18,14 @@ from dataclasses import asdict
 
 import torch
 
-from tandem.bench.rl_workload import RLBenchConfig, batching, even_token_reward, model_and_data
+from tandem.bench.report import add_output_args
+from tandem.bench.rl_workload import (
+    CPU_SIZES,
+    RLBenchConfig,
+    batching,
+    even_token_reward,
+    model_and_data,
+)
 from tandem.bench.roofline import H200_BF16_FLOPS
 
 
@@ -123,8 +130,15 @@ def run(cfg: RLBenchConfig) -> dict:
         from tandem.bench.rl_modes import run_modes
 
         return run_modes(cfg)
+    names = [c for c in cfg.compare.split(",") if c]
+    bad = [n for n in names if n not in ("trl", "trl-fast")]
+    if bad:
+        raise ValueError(f"--compare must name 'trl' and/or 'trl-fast', or be 'colocate,server'; got {bad}")
+    if names and importlib.util.find_spec("trl") is None:
+        raise ValueError("--compare trl needs TRL: pip install 'tandem[bench]' (or pip install trl)")
     if not torch.cuda.is_available():
-        raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU")
+        raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU; on a CPU, "
+                         "`tandem bench rl --compare colocate,server --device cpu` runs a small version")
     results = {}
     for name in [c for c in cfg.compare.split(",") if c] + ["tandem"]:
         if name not in ("trl", "trl-fast", "tandem"):
@@ -157,27 +171,62 @@ def run(cfg: RLBenchConfig) -> dict:
         if by_phase:
             print("tandem GPU utilization by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in by_phase.items()))
     report = make_report("rl", asdict(cfg), results)
-    finish(report, cfg.output)
+    finish(report, cfg.output, cfg.print_json)
     return report
+
+
+_HELP = {
+    "model": "architecture preset or HF model dir (its architecture; the weights stay random)",
+    "num_prompts": "prompts per step", "num_generations": "completions per prompt",
+    "prompt_len": "prompt tokens", "completion_len": "completion tokens (ignore_eos)",
+    "micro_batch": "completions per micro-batch", "steps": "timed steps (after one warm-up step)",
+    "sleep_level": "the engine's sleep level between rollouts (1: KV cache, 2: also weights)",
+    "seed": "random seed", "cpu_kv_cache_space_gib": "--device cpu: each engine's KV cache (GiB)",
+    "lora_r": "> 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights",
+}
+
+
+def _help(name: str, d: RLBenchConfig) -> str:
+    text = f"{_HELP[name]} (default: {getattr(d, name)}"
+    return text + (f"; {CPU_SIZES[name]} with --device cpu)" if name in CPU_SIZES else ")")
 
 
 def add_parser(subparsers) -> None:
     d = RLBenchConfig()
-    p = subparsers.add_parser("rl", help="GRPO step time (grpo-1.5b): tandem vs TRL, colocate vs server")
-    for f in ("model", "compare", "output"):
-        p.add_argument("--" + f, default=getattr(d, f))
+    p = subparsers.add_parser("rl", help="GRPO step time (grpo-1.5b): tandem vs TRL, colocate vs server",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help=_help("model", d))
+    p.add_argument("--compare", default=d.compare,
+                   help="trl (TRL's defaults) and/or trl-fast (its fastest settings here): TRL's "
+                   "GRPOTrainer beside tandem's (TRL is in the bench extra); colocate,server: colocated "
+                   "data parallel vs server mode on two devices")
+    add_output_args(p)
     p.add_argument("--device", choices=("cuda", "cpu"), default=d.device,
-                   help="--compare colocate,server only: cpu runs both modes on the CPU")
+                   help="--compare colocate,server only: cpu runs both modes on the CPU, small")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
                    help="colocate mode: FSDP2-sharded trainers instead of replicas")
-    p.add_argument("--server-gpu-memory-utilization", type=float, default=d.server_gpu_memory_utilization)
-    p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s)
-    p.add_argument("--cpu-kv-cache-space-gib", type=float, default=d.cpu_kv_cache_space_gib)
+    p.add_argument("--server-gpu-memory-utilization", type=float, default=d.server_gpu_memory_utilization,
+                   help="server mode: the server's share of its GPU")
+    p.add_argument("--server-timeout-s", type=float, default=d.server_timeout_s,
+                   help="seconds for `tandem serve` to load and listen")
+    p.add_argument("--cpu-kv-cache-space-gib", type=float, default=None, help=_help("cpu_kv_cache_space_gib", d))
     for f in ("num_prompts", "num_generations", "prompt_len", "completion_len", "micro_batch", "steps",
               "sleep_level", "seed", "lora_r"):
-        p.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=d.gradient_checkpointing,
+        p.add_argument("--" + f.replace("_", "-"), type=int, default=None if f in CPU_SIZES else getattr(d, f),
+                       help=_help(f, d))
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="the colocated engine's share of GPU memory")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
+                   default=d.gradient_checkpointing,
                    help="force recompute on or off (default: tandem's memory plan decides; TRL recomputes)")
-    p.set_defaults(func=lambda a: run(RLBenchConfig(**{k: v for k, v in vars(a).items()
-                                                      if k in RLBenchConfig.__dataclass_fields__})) and 0)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    kw = {k: v for k, v in vars(args).items() if k in RLBenchConfig.__dataclass_fields__}
+    sizes = CPU_SIZES if args.device == "cpu" else {}
+    for name in CPU_SIZES:
+        if kw.get(name) is None:
+            kw[name] = sizes.get(name, getattr(RLBenchConfig, name))
+    run(RLBenchConfig(**kw))
+    return 0

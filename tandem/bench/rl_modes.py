@@ -80,7 +80,7 @@ def run_modes(cfg) -> dict:
     monitored = any(r["gpu"]["available"] for m, r in results.items() if m in MODES)
     gpu = {"available": monitored, "reason": "per mode: results[mode]['gpu']", "devices": []}
     report = make_report("rl", asdict(cfg), results, gpu)
-    finish(report, cfg.output)
+    finish(report, cfg.output, cfg.print_json)
     return report
 
 

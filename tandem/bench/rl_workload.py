@@ -33,6 +33,12 @@ class RLBenchConfig:
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
     seed: int = 0
     output: str | None = None
+    print_json: bool = False  # end stdout with the report's JSON line
+
+
+# `--device cpu`: a workload a laptop finishes in a minute or two (grpo-1.5b needs ~50 GB there)
+CPU_SIZES = dict(model="smollm2-135m", num_prompts=4, num_generations=2, prompt_len=16,
+                 completion_len=16, micro_batch=4, steps=2, cpu_kv_cache_space_gib=0.25)
 
 
 def even_token_reward(completions, **kwargs):

@@ -7,6 +7,20 @@ from dataclasses import dataclass
 # Measured on one H200 here (BENCHMARKS.md): device copy 4.2 TB/s, bf16 matmul 791 TFLOP/s.
 H200_HBM_BYTES_PER_S = 4.2e12
 H200_BF16_FLOPS = 791e12
+KNOWN_DEVICES = {"H200": (H200_HBM_BYTES_PER_S, H200_BF16_FLOPS)}  # name substring -> ceilings
+
+
+def device_ceilings(hbm: float | None = None, flops: float | None = None) -> tuple:
+    """(bytes/s, FLOP/s, where they came from): given values win, else the GPU's where known,
+    else None (a CPU, or a GPU measured nowhere here): no roofline is better than a wrong one."""
+    import torch
+
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    known = next((v for k, v in KNOWN_DEVICES.items() if name and k in name), (None, None))
+    hbm = hbm if hbm is not None else known[0]
+    flops = flops if flops is not None else known[1]
+    source = name if (hbm, flops) == known else "the given ceilings"
+    return hbm, flops, source
 
 
 @dataclass

@@ -1,25 +1,23 @@
 """`tandem bench throughput`: offline generation tokens/s for tandem and, side by side, HF generate.
 
 Both run in one process on the same weights, prompts and batch; HF goes first (tandem's KV cache
-takes most of the free memory), then hands its weights to tandem in memory.
+takes most of the free memory), then hands its weights to tandem in memory. A model dir runs its
+own weights; an architecture name (or --load-format dummy) random ones. With no workload given a
+GPU runs gen-1.5b's shape, a CPU a small job on the embedded SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tandem.bench.roofline import (
-    H200_BF16_FLOPS,
-    H200_HBM_BYTES_PER_S,
-    ModelShape,
-    ceiling_tokens_per_s,
-)
+from tandem.bench.roofline import ModelShape, ceiling_tokens_per_s, device_ceilings
 
 WORKLOADS = {  # BENCHMARKS.md
     "gen-1.5b": dict(model="qwen2.5-1.5b", num_prompts=256, input_len=128, output_len=256),
@@ -30,11 +28,16 @@ WORKLOADS = {  # BENCHMARKS.md
 }
 
 
+# the workload when none is named: gen-1.5b's shape on a GPU, a minute's work on a CPU
+GPU_DEFAULTS = dict(model="qwen2.5-1.5b", num_prompts=256, input_len=128, output_len=256)
+CPU_DEFAULTS = dict(model=None, num_prompts=8, input_len=32, output_len=32)
+
+
 @dataclass
 class ThroughputConfig:
-    model: str | None = "qwen2.5-1.5b"
+    model: str | None = "qwen2.5-1.5b"  # None: the embedded SmolLM2-135M-Instruct
     workload: str | None = None
-    load_format: str = "dummy"
+    load_format: str = "auto"  # auto: a dir's weights; an architecture name gets random ones
     dtype: str = "auto"
     num_prompts: int = 256
     input_len: int | tuple[int, int] = 128
@@ -52,10 +55,21 @@ class ThroughputConfig:
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     tensor_parallel_size: int = 1
     profile: bool = False  # after the timed run, profile decode steps (torch.profiler)
-    hbm_bytes_per_s: float = H200_HBM_BYTES_PER_S
-    peak_flops: float = H200_BF16_FLOPS
+    hbm_bytes_per_s: float | None = None  # None: the device's, where known (roofline.py)
+    peak_flops: float | None = None
     output: str | None = None
+    print_json: bool = False
     progress: bool = True
+
+
+def _load_format(cfg: ThroughputConfig) -> str:
+    """An architecture name has no weights on disk: random ones, as vLLM's --load-format dummy."""
+    from tandem.models.presets import preset_config
+
+    if cfg.load_format == "auto" and isinstance(cfg.model, str) and not os.path.exists(cfg.model) \
+            and preset_config(cfg.model) is not None:
+        return "dummy"
+    return cfg.load_format
 
 
 def _lengths(spec, n: int, rng: random.Random) -> list[int]:
@@ -87,10 +101,11 @@ def _build_hf_model(cfg: ThroughputConfig):
     from tandem.engine.memory import resolve_dtype
     from tandem.models.loader import resolve_model
 
-    source = resolve_model(cfg.model, cfg.load_format)
+    load_format = _load_format(cfg)
+    source = resolve_model(cfg.model, load_format)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_dtype(cfg.dtype, source.hf_config, device)
-    if source.path and cfg.load_format != "dummy":
+    if source.path and load_format != "dummy":
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     else:
         with torch.device(device):
@@ -134,9 +149,9 @@ def run_hf(model, prompts: list[list[int]], out_lens: list[int], cfg: Throughput
         useful += sum(lens)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    t1 = time.perf_counter()
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return _figures("hf", elapsed, prompts, useful, peak)
+    return _figures("hf", (t0, t1), prompts, useful, peak)
 
 
 def run_tandem(
@@ -157,7 +172,7 @@ def run_tandem(
     if isinstance(model_or_name, torch.nn.Module):
         llm = LLM(model_or_name, **kwargs)
     else:
-        llm = LLM(model_or_name, load_format=cfg.load_format, **kwargs)
+        llm = LLM(model_or_name, load_format=_load_format(cfg), **kwargs)
     params = [
         SamplingParams(temperature=cfg.temperature, max_tokens=o, ignore_eos=True) for o in out_lens
     ]
@@ -182,11 +197,11 @@ def run_tandem(
     outs = llm.generate(prompts, params, use_tqdm=cfg.progress)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    t1 = time.perf_counter()
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == sum(out_lens), "ignore_eos requests must produce exactly max_tokens"
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
-    fig = _figures("tandem", elapsed, prompts, produced, peak)
+    fig = _figures("tandem", (t0, t1), prompts, produced, peak)
     fig["step_stats"] = {k: {"steps": n, "seconds": sec, "ms_per_step": 1e3 * sec / max(1, n)}
                          for k, (n, sec) in eng.step_stats.items()}
     fig["prefix_cache_hit_tokens"] = eng.block_manager.num_prefix_hits - hits_before
@@ -211,10 +226,12 @@ def run_tandem(
     return fig, llm
 
 
-def _figures(name, elapsed, prompts, out_tokens, peak) -> dict:
+def _figures(name, span, prompts, out_tokens, peak) -> dict:
     in_tokens = sum(map(len, prompts))
+    elapsed = span[1] - span[0]
     return {
         "backend": name,
+        "timed_span": span,  # perf_counter (start, end) of the timed part
         "elapsed_s": elapsed,
         "requests_per_s": len(prompts) / elapsed,
         "output_tokens_per_s": out_tokens / elapsed,
@@ -225,82 +242,111 @@ def _figures(name, elapsed, prompts, out_tokens, peak) -> dict:
     }
 
 
+def apply_defaults(cfg: ThroughputConfig, explicit: set[str], cuda: bool) -> None:
+    """A named workload's settings, or the device's default workload for what was not given."""
+    if cfg.workload:
+        if cfg.workload not in WORKLOADS:
+            raise ValueError(f"--workload must be one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
+        for k, v in WORKLOADS[cfg.workload].items():
+            setattr(cfg, k, v)
+        return
+    defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
+    missing = {k: v for k, v in defaults.items() if k not in explicit}
+    for k, v in missing.items():
+        setattr(cfg, k, v)
+    if not cuda and missing:
+        print(f"no GPU: a small CPU workload ({cfg.num_prompts} prompts, {cfg.input_len} -> "
+              f"{cfg.output_len} tokens, {cfg.model or 'the embedded SmolLM2-135M-Instruct'}); "
+              "--model, --num-prompts, --input-len, --output-len or --workload change it")
+
+
 def run(cfg: ThroughputConfig) -> dict:
+    from tandem.bench.gpu_monitor import GpuMonitor
     from tandem.bench.report import finish, make_report
 
     if cfg.workload:
-        if cfg.workload not in WORKLOADS:
-            raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
-        for k, v in WORKLOADS[cfg.workload].items():
-            setattr(cfg, k, v)
+        apply_defaults(cfg, set(), torch.cuda.is_available())
     backends = [cfg.backend] + [b for b in cfg.compare if b != cfg.backend]
     for b in backends:
         if b not in ("tandem", "hf"):
-            raise ValueError(f"backend/compare must be 'tandem' or 'hf', got {b!r}")
+            raise ValueError(f"--backend/--compare must be 'tandem' or 'hf', got {b!r}")
     results: dict = {}
     hf_model = None
     source = None
-    if "hf" in backends:
-        hf_model, source = _build_hf_model(cfg)
-        vocab = hf_model.config.vocab_size
-    else:
-        from tandem.models.loader import resolve_model
+    with GpuMonitor() as mon:  # the whole run; each backend's figures come from its timed span
+        if "hf" in backends:
+            hf_model, source = _build_hf_model(cfg)
+            vocab = hf_model.config.vocab_size
+        else:
+            from tandem.models.loader import resolve_model
 
-        source = resolve_model(cfg.model, cfg.load_format)
-        vocab = source.hf_config.vocab_size
-    prompts, out_lens = make_prompts(cfg, vocab)
-    gpu = None
-    llm = None
-    from tandem.bench.gpu_monitor import GpuMonitor
-
-    if "hf" in backends:
-        results["hf"] = run_hf(hf_model, prompts, out_lens, cfg)
-    if "tandem" in backends:
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
-        with GpuMonitor() as mon:
+            source = resolve_model(cfg.model, _load_format(cfg))
+            vocab = source.hf_config.vocab_size
+        prompts, out_lens = make_prompts(cfg, vocab)
+        llm = None
+        if "hf" in backends:
+            results["hf"] = run_hf(hf_model, prompts, out_lens, cfg)
+        if "tandem" in backends:
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
             results["tandem"], llm = run_tandem(
                 hf_model if hf_model is not None else cfg.model, prompts, out_lens, cfg
             )
-        gpu = mon.summary()
-    shape = ModelShape.from_hf_config(source.hf_config)
-    ceiling = ceiling_tokens_per_s(
-        shape,
-        [len(p) for p in prompts],
-        out_lens,
-        cfg.max_num_seqs,
-        cfg.hbm_bytes_per_s * cfg.tensor_parallel_size,  # TP=N: N GPUs' bandwidth and FLOPs
-        cfg.peak_flops * cfg.tensor_parallel_size,
-    )
+    gpu = mon.summary()
+    for r in results.values():  # the GPU over each backend's timed window, not model builds
+        r["gpu"] = mon.summary(window=tuple(r["timed_span"])) if mon.available else None
+    hbm, flops, device_name = device_ceilings(cfg.hbm_bytes_per_s, cfg.peak_flops)
+    ceiling = None
+    if hbm is not None and flops is not None:
+        shape = ModelShape.from_hf_config(source.hf_config)
+        ceiling = ceiling_tokens_per_s(
+            shape,
+            [len(p) for p in prompts],
+            out_lens,
+            cfg.max_num_seqs,
+            hbm * cfg.tensor_parallel_size,  # TP=N: N GPUs' bandwidth and FLOPs
+            flops * cfg.tensor_parallel_size,
+        )
     for r in results.values():
         r["roofline_tokens_per_s"] = ceiling
-        r["roofline_fraction"] = r["output_tokens_per_s"] / ceiling
+        r["roofline_fraction"] = r["output_tokens_per_s"] / ceiling if ceiling else None
     if "hf" in results and "tandem" in results:
         results["speedup_vs_hf"] = (
             results["tandem"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
         )
-    report = make_report("throughput", asdict(cfg), results, gpu)
-    _print_table(results)
-    finish(report, cfg.output)
+    config = asdict(cfg) | {"load_format": _load_format(cfg), "roofline_device": device_name}
+    report = make_report("throughput", config, results, gpu)
+    _print_table(results, device_name)
+    finish(report, cfg.output, cfg.print_json)
     if llm is not None and llm.tp_workers is not None:
         llm.tp_workers.shutdown()  # after the report: the figures stand whatever teardown does
     return report
 
 
-def _print_table(results: dict) -> None:
-    print(
-        f"{'backend':<8} {'out tok/s':>11} {'total tok/s':>12} {'req/s':>8} {'peak GB':>8} {'roofline':>9}"
-    )
+def _print_table(results: dict, roofline_device: str | None = None) -> None:
+    roof = any(r.get("roofline_fraction") is not None for r in results.values() if isinstance(r, dict))
+    gpu = any(r.get("gpu") for r in results.values() if isinstance(r, dict))
+    print(f"{'backend':<8} {'out tok/s':>11} {'total tok/s':>12} {'req/s':>8} {'peak GB':>8}"
+          + (f" {'roofline':>9}" if roof else "") + (f" {'GPU util':>9}" if gpu else ""))
     for name in ("hf", "tandem"):
         r = results.get(name)
         if r is None:
             continue
         peak = f"{r['peak_memory_gb']:.1f}" if r["peak_memory_gb"] is not None else "-"
-        print(
-            f"{name:<8} {r['output_tokens_per_s']:>11,.0f} {r['total_tokens_per_s']:>12,.0f} "
-            f"{r['requests_per_s']:>8.2f} {peak:>8} {100 * r['roofline_fraction']:>8.1f}%"
-        )
+        line = (f"{name:<8} {r['output_tokens_per_s']:>11,.0f} {r['total_tokens_per_s']:>12,.0f} "
+                f"{r['requests_per_s']:>8.2f} {peak:>8}")
+        if roof:
+            line += f" {100 * r['roofline_fraction']:>8.1f}%"
+        if gpu:
+            util = (r.get("gpu") or {}).get("util_mean")
+            line += f" {util:>8.0f}%" if util is not None else f" {'-':>9}"
+        print(line)
     if "speedup_vs_hf" in results:
         print(f"tandem / hf output tokens/s: {results['speedup_vs_hf']:.1f}x")
+    if roof:
+        print(f"roofline: the decode ceiling of {roofline_device} (BENCHMARKS.md)")
+    else:
+        print("no roofline: this device's bandwidth and FLOP/s are not known here; "
+              "--hbm-bytes-per-s and --peak-flops give them")
 
 
 def _len_arg(s: str):
@@ -311,44 +357,68 @@ def _len_arg(s: str):
 
 
 def add_parser(subparsers) -> None:
+    from tandem.bench.report import add_output_args
+
     d = ThroughputConfig()
-    p = subparsers.add_parser("throughput", help="offline generation throughput (tandem and/or HF)")
-    p.add_argument(
-        "--model", default=d.model, help="architecture name (dummy weights) or local dir"
-    )
-    p.add_argument("--workload", default=None, choices=sorted(WORKLOADS))
-    p.add_argument("--load-format", default=d.load_format)
-    p.add_argument("--dtype", default=d.dtype)
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--input-len", type=_len_arg, default=d.input_len, help="N or MIN-MAX (uniform)")
-    p.add_argument(
-        "--output-len", type=_len_arg, default=d.output_len, help="N or MIN-MAX (uniform)"
-    )
+    p = subparsers.add_parser("throughput", help="offline generation throughput (tandem and/or HF)",
+                              description=__doc__)
+    p.add_argument("--model", default=None,
+                   help="local model dir (its weights), .gguf, or architecture name (random weights) "
+                   "(default: qwen2.5-1.5b on a GPU, the embedded SmolLM2-135M-Instruct on a CPU)")
+    p.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                   help="a named workload of BENCHMARKS.md (sets model, prompts and lengths)")
+    p.add_argument("--load-format", default=d.load_format,
+                   help="auto: a dir's own weights, random ones for an architecture name | dummy | "
+                   "safetensors | pt | gguf")
+    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"prompts (default: {GPU_DEFAULTS['num_prompts']} on a GPU, "
+                   f"{CPU_DEFAULTS['num_prompts']} on a CPU)")
+    p.add_argument("--input-len", type=_len_arg, default=None,
+                   help=f"prompt tokens, N or MIN-MAX (uniform) (default: {GPU_DEFAULTS['input_len']} on "
+                   f"a GPU, {CPU_DEFAULTS['input_len']} on a CPU)")
+    p.add_argument("--output-len", type=_len_arg, default=None,
+                   help=f"output tokens, N or MIN-MAX (uniform) (default: {GPU_DEFAULTS['output_len']} "
+                   f"on a GPU, {CPU_DEFAULTS['output_len']} on a CPU)")
     p.add_argument("--dataset", default=None, help="JSONL file of {'prompt': text}")
-    p.add_argument("--backend", default=d.backend, choices=["tandem", "hf"])
+    p.add_argument("--backend", default=d.backend, choices=["tandem", "hf"], help="what to time")
     p.add_argument(
         "--compare", default="", help="comma list of peers to run in the same invocation: hf"
     )
-    p.add_argument("--hf-batch-size", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="HF generate's static batch (default: all prompts at once)")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="sampling temperature")
+    p.add_argument("--seed", type=int, default=d.seed, help="prompts' and sampling's seed")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="tandem's batch bound")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tandem's tokens per step")
+    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="tandem's share of GPU memory")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each step before reading the previous one's tokens (default: on for CUDA)")
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="GPUs to shard tandem's model over")
     p.add_argument("--profile", action="store_true", help="profile decode steps after the timed run")
-    p.add_argument("--hbm-bytes-per-s", type=float, default=d.hbm_bytes_per_s)
-    p.add_argument("--peak-flops", type=float, default=d.peak_flops)
-    p.add_argument("--output", default=None, help="write the JSON report here")
-    p.add_argument("--no-progress", dest="progress", action="store_false")
+    p.add_argument("--hbm-bytes-per-s", type=float, default=None,
+                   help="memory bandwidth for the roofline (default: the device's where known: H200)")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="peak FLOP/s for the roofline (default: the device's where known: H200)")
+    add_output_args(p)
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     kw = {k: v for k, v in vars(args).items() if k in ThroughputConfig.__dataclass_fields__}
     kw["compare"] = [c for c in (args.compare or "").split(",") if c]
-    run(ThroughputConfig(**kw))
+    explicit = {k for k in GPU_DEFAULTS if kw.get(k) is not None}
+    kw = {k: v for k, v in kw.items() if k not in GPU_DEFAULTS or v is not None}
+    cfg = ThroughputConfig(**kw)
+    apply_defaults(cfg, explicit, torch.cuda.is_available())
+    if cfg.model is not None:
+        from tandem.engine.arg_utils import check_model_arg
+
+        check_model_arg(cfg.model, _load_format(cfg))
+    run(cfg)
     return 0

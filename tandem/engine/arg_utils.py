@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 
 from tandem.config import EngineConfig
@@ -11,13 +12,29 @@ from tandem.config import EngineConfig
 _HELP = {
     "model": "local HF model dir, .gguf file, or architecture name with --load-format dummy "
     "(default: the embedded SmolLM2-135M-Instruct)",
-    "dtype": "auto | float32 | float16 | bfloat16",
+    "tokenizer": "tokenizer dir (default: the model's)",
+    "dtype": "auto (the checkpoint's half dtype on a GPU, float32 on a CPU) | float32 | float16 | "
+    "bfloat16",
     "max_model_len": "context length (default: the model's)",
     "max_num_seqs": "most sequences in one batch",
     "max_num_batched_tokens": "most tokens in one step",
     "gpu_memory_utilization": "fraction of GPU memory this engine may use",
     "block_size": "tokens per KV-cache block",
+    "enable_prefix_caching": "reuse the KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts over several steps",
     "load_format": "auto | dummy (random weights) | safetensors | pt | gguf",
+    "seed": "the engine's random seed (requests without their own seed)",
+    "device": "auto (cuda when there is a GPU) | cuda | cpu",
+    "tensor_parallel_size": "GPUs to shard the model over",
+    "enable_sleep_mode": "allow sleep()/wake_up() (releases weights and KV cache)",
+    "sleep_mode_backend": "auto | cumem (stable addresses) | recapture (reallocate, capture graphs "
+    "again)",
+    "num_gpu_blocks_override": "KV-cache blocks to allocate, instead of sizing them from memory",
+    "cpu_kv_cache_space_gib": "KV-cache size on a CPU, at most (it never exceeds what max_num_seqs "
+    "sequences of max_model_len tokens need)",
+    "logprobs_mode": "raw_logprobs (the model's) | processed_logprobs (after temperature, top-k/p)",
+    "trust_remote_code": "allow a model dir's own Python code",
+    "revision": "model revision (accepted for vLLM compatibility; local files only)",
     "enforce_eager": "no CUDA graphs",
     "max_cudagraph_capture_size": "steps of up to this many tokens (prefill and decode mixed) replay "
     "CUDA graphs; 0: decode graphs only",
@@ -46,7 +63,7 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
             continue
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
-        help_ = _HELP.get(f.name, "") + f" (default: {f.default})"
+        help_ = _HELP.get(f.name, f.name.replace("_", " "))  # the CLI's formatter adds the default
         if tp is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
         else:
@@ -55,3 +72,33 @@ def add_engine_args(parser: argparse.ArgumentParser, include_model: bool = True)
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+
+
+def check_model_arg(model: str | None, load_format: str = "auto", flag: str = "--model") -> None:
+    """Refuse a model that cannot load, before anything loads: a clear line naming the flag."""
+    if model is None:
+        return
+    from tandem.models.presets import ALIASES, PRESETS
+
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"{flag}: GGUF file {model!r} does not exist")
+        return
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise ValueError(f"{flag}: directory {model!r} has no config.json (not an HF model dir)")
+        return
+    if os.path.exists(model):
+        raise ValueError(f"{flag}: {model!r} is a file; give a model directory or a .gguf file")
+    if model.lower() in PRESETS or model.lower() in ALIASES:
+        if load_format != "dummy":
+            raise ValueError(
+                f"{flag}: {model!r} names an architecture, not weights on disk; add "
+                "--load-format dummy for random weights, or give a local model directory"
+            )
+        return
+    raise ValueError(
+        f"{flag}: {model!r} is not a local model directory, a .gguf file or an architecture name "
+        f"({', '.join(PRESETS)}); tandem loads local files only: download one first, e.g. "
+        "`hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR`, and pass DIR"
+    )

@@ -25,6 +25,75 @@ GPU_DEMO_OVERRIDES = dict(DEMO_OVERRIDES, per_device_train_batch_size=64, max_co
 DEMO_EVAL_SAMPLES = {"cpu": 32, "cuda": 256}
 ACCURACY = "accuracy_reward/mean"  # the reward component that is the arithmetic task's accuracy
 _SKIP = {"chat_template_kwargs", "reward_weights", "report_to"}
+# one line per GRPOConfig field (TRL's names and meanings); the default is appended by the CLI
+FIELD_HELP = {
+    "output_dir": "checkpoints, metrics.jsonl, TensorBoard logs and the reward curve go here",
+    "seed": "random seed (data order, sampling, the built-in task)",
+    "max_steps": "optimizer steps to run; > 0 wins over --num-train-epochs",
+    "num_train_epochs": "passes over the dataset (when --max-steps is -1)",
+    "num_generations": "completions per prompt (the group GRPO compares within)",
+    "per_device_train_batch_size": "completions per micro-batch",
+    "gradient_accumulation_steps": "micro-batches per optimizer step",
+    "steps_per_generation": "micro-batches per generation batch (default: --gradient-accumulation-steps)",
+    "generation_batch_size": "completions generated at once (default: batch size x steps per generation)",
+    "num_iterations": "optimisation passes over each generation batch (mu)",
+    "shuffle_dataset": "shuffle the prompts",
+    "max_prompt_length": "prompt tokens kept (the last ones)",
+    "max_completion_length": "most tokens per completion",
+    "temperature": "sampling temperature of the rollouts",
+    "top_p": "rollouts' top-p",
+    "top_k": "rollouts' top-k (0: off)",
+    "min_p": "rollouts' min-p (0: off)",
+    "repetition_penalty": "rollouts' repetition penalty (1: off)",
+    "learning_rate": "AdamW learning rate",
+    "lr_scheduler_type": "constant | linear | cosine",
+    "warmup_ratio": "share of the steps spent warming the learning rate up",
+    "weight_decay": "AdamW weight decay",
+    "adam_beta1": "AdamW beta1",
+    "adam_beta2": "AdamW beta2",
+    "adam_epsilon": "AdamW epsilon",
+    "max_grad_norm": "gradient clipping norm (0: off)",
+    "max_consecutive_nonfinite_steps": "non-finite steps in a row (each skipped) that stop the run",
+    "gradient_checkpointing": "recompute activations in backward (less memory, slower)",
+    "bf16": "train in bf16 (default: where the device supports it)",
+    "beta": "KL coefficient (0: no reference model)",
+    "epsilon": "clip range of the policy ratio",
+    "epsilon_high": "upper clip range (default: --epsilon; DAPO suggests 0.28)",
+    "loss_type": "grpo | dapo | dr_grpo | bnpo",
+    "importance_sampling_level": "token | sequence (GSPO)",
+    "scale_rewards": "group | batch | none: what the advantages are divided by",
+    "mask_truncated_completions": "leave completions cut at the length limit out of the loss",
+    "vllm_importance_sampling_correction": "correct for the engine's and the trainer's logprob gap",
+    "vllm_importance_sampling_mode": "token_truncate | token_mask | sequence_truncate | sequence_mask",
+    "vllm_importance_sampling_clip_max": "upper bound of the correction ratio",
+    "vllm_importance_sampling_clip_min": "lower bound of the correction ratio",
+    "vllm_importance_sampling_cap": "deprecated in TRL: sets the clip max",
+    "vllm_mode": "colocate (the engine in this process) | server (a `tandem serve` elsewhere)",
+    "vllm_server_base_url": "--vllm-mode server: the server's URL",
+    "vllm_server_api_key": "--vllm-mode server: its API key",
+    "vllm_gpu_memory_utilization": "share of GPU memory the colocated engine may take",
+    "vllm_enable_sleep_mode": "the engine sleeps while the trainer steps",
+    "engine_sleep_level": "1: free the KV cache; 2: also drop engine-only weight copies",
+    "vllm_tensor_parallel_size": "GPUs the engine shards the model over",
+    "vllm_max_model_length": "the engine's context length (default: prompt + completion)",
+    "fsdp": "under torchrun: shard with FSDP2 instead of keeping replicas",
+    "logging_steps": "print the compact line (and write metrics) every this many steps",
+    "log_completions": "print a table of sample completions and their rewards",
+    "num_completions_to_print": "rows of that table",
+    "save_steps": "checkpoint every this many steps",
+    "save_total_limit": "checkpoints kept (default: all)",
+}
+
+
+def _default_text(name: str, default) -> str:
+    """The default a run gets: the demo's where it differs (no --model: CPU and GPU sizes)."""
+    if name not in DEMO_OVERRIDES:
+        return "" if default is None else f"(default: {default})"
+    cpu, gpu = DEMO_OVERRIDES[name], GPU_DEMO_OVERRIDES[name]
+    if cpu == gpu == default:
+        return f"(default: {default})"
+    demo = f"{cpu}" if cpu == gpu else f"{cpu} on a CPU, {gpu} on a GPU"
+    return f"(default: {default}; the demo without --model: {demo})"
 
 
 def _type_of(tp):
@@ -35,8 +104,14 @@ def _type_of(tp):
 def add_subcommands(sub) -> None:
     train = sub.add_parser("train", help="RL training with the engine colocated")
     train_sub = train.add_subparsers(dest="train_command", required=True)
-    p = train_sub.add_parser("grpo", help="GRPO (TRL's GRPOConfig names)")
-    p.add_argument("--model", default=None, help="local HF model dir (default: embedded SmolLM2-135M-Instruct)")
+    p = train_sub.add_parser(
+        "grpo", help="GRPO (TRL's GRPOConfig names)",
+        description="GRPO with the engine colocated, flags named as TRL's GRPOConfig. Without "
+        "--model: a demo on the embedded SmolLM2-135M-Instruct and the built-in arithmetic task, "
+        "sized for the device (defaults below say where the demo differs).")
+    p.add_argument("--model", default=None,
+                   help="local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct, "
+                   "the demo)")
     p.add_argument("--dataset", default="arithmetic",
                    help="'arithmetic' (built in) or a local JSONL/Parquet file with a 'prompt' column")
     p.add_argument("--rewards", default="accuracy,short",
@@ -44,8 +119,10 @@ def add_subcommands(sub) -> None:
                    "(<think>/<answer> tags), length (soft overlong punishment)")
     p.add_argument("--num-train-prompts", type=int, default=2000, help="size of the built-in task")
     p.add_argument("--eval-samples", type=int, default=None,
-                   help="held-out prompts scored before and after (demo: 32 on a CPU, 256 on a GPU; else 32)")
-    p.add_argument("--report-to", default=None, help="comma list: jsonl, tensorboard, none")
+                   help="built-in task: held-out problems scored (greedy) before and after training "
+                   f"(default: {DEMO_EVAL_SAMPLES['cpu']} on a CPU, {DEMO_EVAL_SAMPLES['cuda']} on a GPU)")
+    p.add_argument("--report-to", default=None,
+                   help="comma list: jsonl, tensorboard, none (default: jsonl,tensorboard; the demo: jsonl)")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output-dir")
     hints = typing.get_type_hints(GRPOConfig)
     for f in dataclasses.fields(GRPOConfig):
@@ -53,11 +130,11 @@ def add_subcommands(sub) -> None:
             continue
         tp = _type_of(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        default_txt = f"(GRPOConfig default: {f.default})"
+        help_ = f"{FIELD_HELP.get(f.name, f.name.replace('_', ' '))} {_default_text(f.name, f.default)}"
         if tp is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=default_txt)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif tp in (int, float, str):
-            p.add_argument(flag, type=tp, default=None, help=default_txt)
+            p.add_argument(flag, type=tp, default=None, help=help_)
     p.set_defaults(func=_main)
 
 
@@ -78,7 +155,20 @@ def _reward_funcs(names: str, max_completion_length: int):
     return funcs
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """The mistakes a person makes first, refused before anything loads."""
+    import os
+
+    from tandem.engine.arg_utils import check_model_arg
+
+    check_model_arg(args.model)
+    if args.dataset != "arithmetic" and not os.path.isfile(args.dataset):
+        raise ValueError(f"--dataset: no file {args.dataset!r}; give 'arithmetic' (built in) or a "
+                         "local JSONL/Parquet file with a 'prompt' column")
+
+
 def _main(args: argparse.Namespace) -> int:
+    _check_paths(args)
     from tandem.rl.data import arithmetic_dataset
     from tandem.rl.plot import plot_reward_curve
     from tandem.rl.trainer import GRPOTrainer
@@ -94,6 +184,7 @@ def _main(args: argparse.Namespace) -> int:
     values = dict(demo) if args.model is None else {}
     values.update(given)
     config = GRPOConfig(**values)
+    reward_funcs = _reward_funcs(args.rewards, config.max_completion_length)
     eval_samples = args.eval_samples if args.eval_samples is not None else DEMO_EVAL_SAMPLES[device]
     model = args.model
     if model is None:
@@ -105,7 +196,7 @@ def _main(args: argparse.Namespace) -> int:
         test = arithmetic_dataset(eval_samples, seed=config.seed, split="test") if eval_samples else None
     else:
         train, test = args.dataset, None
-    trainer = GRPOTrainer(model, _reward_funcs(args.rewards, config.max_completion_length), config,
+    trainer = GRPOTrainer(model, reward_funcs, config,
                           train_dataset=train, eval_dataset=test)
     before = trainer.evaluate() if test is not None else {}
     start = trainer.global_step

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from tandem.engine.arg_utils import add_engine_args, engine_kwargs
+from tandem.engine.arg_utils import add_engine_args, check_model_arg, engine_kwargs
 from tandem.serve.config import ENGINE_MODES, ServeConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
@@ -91,8 +91,10 @@ def add_subcommands(subparsers) -> None:
         help="seconds in-flight requests get to finish after SIGTERM "
         f"(default: {defaults.shutdown_timeout:g})",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the server's log level (debug also prints the traceback of an error)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="log every HTTP request (default: off)")
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -118,7 +120,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(
             "tandem serve does not run tensor parallel yet; use --tensor-parallel-size 1"
         )
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port: {args.port} is not a TCP port; give 1-65535, or 0 for any free one")
     model = args.model_arg or args.model
+    check_model_arg(model, args.load_format, "MODEL" if args.model_arg else "--model")
     config = EngineConfig.from_kwargs(**{**engine_kwargs(args), "model": model})
     chat_template = _read_template(args.chat_template)
     if args.enable_admin_api and not args.api_key:

@@ -54,7 +54,7 @@ def test_cli_without_gpu_says_no_gpu(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
-    assert main(["interconnect"]) == 0
+    assert main(["interconnect", "--json"]) == 0
     out = capsys.readouterr().out
     assert "no GPU" in out
     last = json.loads(out.strip().splitlines()[-1])

@@ -19,7 +19,7 @@ def test_colocate_vs_server_on_cpu(tmp_path, capsys):
     make_tiny_model("llama").save_pretrained(model_dir)
     cfg = RLBenchConfig(model=str(model_dir), compare="colocate,server", device="cpu", num_prompts=2,
                         num_generations=2, prompt_len=6, completion_len=4, micro_batch=2, steps=1,
-                        cpu_kv_cache_space_gib=0.01, output=str(tmp_path / "report.json"))
+                        cpu_kv_cache_space_gib=0.01, output=str(tmp_path / "report.json"), print_json=True)
     run(cfg)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # the closing JSON line
     report = json.loads((tmp_path / "report.json").read_text())

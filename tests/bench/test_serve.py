@@ -99,6 +99,7 @@ def test_cli_table_then_one_json_line(stub, tmp_path, capsys):
                 "ttft=5000",
                 "--output",
                 str(out),
+                "--json",
                 "--output-dir",
                 str(out_dir),
             ]
@@ -119,7 +120,8 @@ def test_cli_table_then_one_json_line(stub, tmp_path, capsys):
 def test_cli_failed_warmup_exits_1_with_json_error(stub, capsys):
     with stub(fail_every=1) as server:
         code = main(
-            ["serve", "--base-url", server.base_url, "--num-prompts", "3", "--output-len", "2"]
+            ["serve", "--base-url", server.base_url, "--num-prompts", "3", "--output-len", "2",
+             "--json"]
         )
     assert code == 1
     cap = capsys.readouterr()
@@ -145,6 +147,7 @@ def test_module_entry_point_self_test(tmp_path):
             "16",
             "--max-concurrency",
             "8",
+            "--json",
         ],
         capture_output=True,
         text=True,

@@ -94,6 +94,7 @@ def test_launch_grid_starts_a_server_per_point(tmp_path, capsys):
             str(tmp_path),
             "--output",
             str(tmp_path / "out.json"),
+            "--json",
         ]
     )
     assert code == 0
