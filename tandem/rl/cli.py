@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import sys
 import typing
 
 from tandem.rl.config import GRPOConfig
@@ -23,7 +25,8 @@ DEMO_OVERRIDES = dict(
 GPU_DEMO_OVERRIDES = dict(DEMO_OVERRIDES, per_device_train_batch_size=64, max_completion_length=32,
                           max_steps=60, save_steps=60)
 DEMO_EVAL_SAMPLES = {"cpu": 32, "cuda": 256}
-ACCURACY = "accuracy_reward/mean"  # the reward component that is the arithmetic task's accuracy
+ACCURACY = "accuracy_reward/mean"
+REWARD_RANGES = {"accuracy": (0, 1), "short": (0, 1), "format": (0, 1), "length": (-1, 0)}  # the reward component that is the arithmetic task's accuracy
 _SKIP = {"chat_template_kwargs", "reward_weights", "report_to"}
 # one line per GRPOConfig field (TRL's names and meanings); the default is appended by the CLI
 FIELD_HELP = {
@@ -196,11 +199,16 @@ def _main(args: argparse.Namespace) -> int:
         test = arithmetic_dataset(eval_samples, seed=config.seed, split="test") if eval_samples else None
     else:
         train, test = args.dataset, None
-    trainer = GRPOTrainer(model, reward_funcs, config,
-                          train_dataset=train, eval_dataset=test)
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    say(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} and the engine ({device}) ...")
+    trainer = GRPOTrainer(model, reward_funcs, config, train_dataset=train, eval_dataset=test)
+    if test is not None:
+        say(f"scoring {eval_samples} held-out problems (greedy) before training ...")
     before = trainer.evaluate() if test is not None else {}
     start = trainer.global_step
     trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if test is not None:
+        say(f"scoring the {eval_samples} held-out problems again ...")
     after = trainer.evaluate() if test is not None else {}
     held_out = [(start, before[f"eval/{ACCURACY}"]), (trainer.global_step, after[f"eval/{ACCURACY}"])] \
         if f"eval/{ACCURACY}" in before else []
@@ -208,8 +216,26 @@ def _main(args: argparse.Namespace) -> int:
                               accuracy_key=f"rewards/{ACCURACY}" if held_out else None)
     summary = {"held_out_before": before, "held_out_after": after, "steps": trainer.global_step,
                "reward_curve": curve, "output_dir": config.output_dir}
-    if held_out:
-        print(f"held-out accuracy (greedy, {eval_samples} problems): {100 * held_out[0][1]:.1f}% before, "
-              f"{100 * held_out[1][1]:.1f}% after {trainer.global_step - start} steps; curves in {curve}")
+    for line in summary_lines(args.rewards, eval_samples, held_out, before, after, curve, config.output_dir):
+        print(line)
     print(json.dumps(summary))
     return 0
+
+
+def summary_lines(rewards: str, eval_samples: int, held_out: list, before: dict, after: dict,
+                  curve: str | None, output_dir: str) -> list[str]:
+    """The end of a run in words: accuracy before and after, what the reward adds up, where to look."""
+    names = [n for n in rewards.split(",") if n]
+    lines = []
+    if held_out:
+        (s0, a0), (s1, a1) = held_out
+        lines.append(f"held-out accuracy (greedy, {eval_samples} problems): {100 * a0:.1f}% before, "
+                     f"{100 * a1:.1f}% after {s1 - s0} steps ({100 * (a1 - a0):+.1f} points)")
+    if "eval/reward" in after:
+        ranges = {n: REWARD_RANGES.get(n, (0, 1)) for n in names}
+        each = ", ".join(f"{n} in [{lo}, {hi}]" for n, (lo, hi) in ranges.items())
+        lines.append(f"held-out reward {before.get('eval/reward', float('nan')):.2f} -> "
+                     f"{after['eval/reward']:.2f}: the sum of {' + '.join(names)} ({each}), "
+                     f"at most {sum(hi for _, hi in ranges.values())}")
+    lines.append(f"metrics: {output_dir}/metrics.jsonl" + (f"; curves: {curve}" if curve else ""))
+    return lines

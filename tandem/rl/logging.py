@@ -11,23 +11,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Self, TextIO
 
+from tandem.rl import progress
+
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-
-# Shown first on the console line, in this order, when present.
-_CONSOLE_KEYS = (
-    "loss",
-    "reward",
-    "reward_std",
-    "kl",
-    "clip_ratio/region_mean",
-    "learning_rate",
-    "grad_norm",
-    "completions/mean_length",
-    "step_time",
-)
-
 
 def _to_float(value: Any) -> float | None:
     if isinstance(value, (list, tuple)):
@@ -46,6 +34,8 @@ class MetricsLogger:
 
     resume_step: drop records after this step from an existing metrics.jsonl (they belong to a run
     that crashed after its last checkpoint), and tell TensorBoard to do the same.
+    total_steps: show a progress bar over the steps (on a terminal); the console gets a compact
+    line of a fixed set of figures (progress.CONSOLE_KEYS) per logged step.
     """
 
     def __init__(
@@ -54,9 +44,13 @@ class MetricsLogger:
         report_to: Sequence[str] = ("jsonl", "tensorboard"),
         console: TextIO | None = sys.stdout,
         resume_step: int | None = None,
+        total_steps: int | None = None,
     ) -> None:
         self.output_dir = output_dir
         self.console = console
+        self._bar = None
+        if console is not None and total_steps:
+            self._bar = progress.TrainProgress(total_steps, initial=resume_step or 0)
         self._jsonl: TextIO | None = None
         self._completions: TextIO | None = None
         self._tb = None
@@ -87,8 +81,10 @@ class MetricsLogger:
                 if v is not None and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._bar is not None:
+            self._bar.update(step, values)
         if self.console is not None:
-            print(_console_line(step, values), file=self.console, flush=True)
+            progress.write(progress.console_line(step, values), self.console)
         return values
 
     def log_completions(
@@ -119,10 +115,16 @@ class MetricsLogger:
             self._completions.write(json.dumps(row) + "\n")
         self._completions.flush()
         if self.console is not None and num_to_print:
-            for p, c, r in list(zip(prompts, completions, rewards))[:num_to_print]:
-                print(f"  [{_fmt(_to_float(r))}] {_clip(p)!r} -> {_clip(c)!r}", file=self.console)
+            n = min(num_to_print, len(prompts))
+            table = progress.completions_table(
+                step, prompts[:n], completions[:n], [_to_float(r) for r in rewards[:n]],
+                [_to_float(a) for a in advantages[:n]], len(prompts))
+            progress.write(table, self.console)
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         for f in (self._jsonl, self._completions):
             if f is not None:
                 f.close()
@@ -166,20 +168,3 @@ def _truncate_after(path: str, step: int) -> None:
     with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
     os.replace(tmp, path)
-
-
-def _fmt(v: float | None) -> str:
-    if v is None:
-        return "nan"
-    return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.3e}"
-
-
-def _clip(text: str, n: int = 80) -> str:
-    return text if len(text) <= n else text[: n - 3] + "..."
-
-
-def _console_line(step: int, values: dict[str, float | None]) -> str:
-    keys = [k for k in _CONSOLE_KEYS if k in values]
-    keys += sorted(k for k in values if k not in _CONSOLE_KEYS and not k.startswith("rewards/"))
-    keys += sorted(k for k in values if k.startswith("rewards/") and k.endswith("/mean"))
-    return f"step {step:>5} | " + " | ".join(f"{k} {_fmt(values[k])}" for k in keys)
