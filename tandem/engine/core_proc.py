@@ -43,8 +43,9 @@ def run_engine_core(
     _leave_cores_to_the_api_servers(len(commands))
     try:
         engine = LLMEngine(config)
-    except Exception as e:
-        logger.exception("building the engine failed")
+    except Exception as e:  # the API side reports it in one line; the traceback at debug level
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.exception("building the engine failed")
         for conn in outputs:
             conn.send(("failed", portable(e)))
         return
