@@ -116,7 +116,8 @@ def add_subcommands(sub) -> None:
                    help="local HF model dir or .gguf file (default: the embedded SmolLM2-135M-Instruct, "
                    "the demo)")
     p.add_argument("--dataset", default="arithmetic",
-                   help="'arithmetic' (built in) or a local JSONL/Parquet file with a 'prompt' column")
+                   help="'arithmetic' (built in) or a local JSONL/JSON/Parquet/CSV file (or a folder of them) "
+                   "with a 'prompt' column")
     p.add_argument("--rewards", default="accuracy,short",
                    help="comma list of: accuracy, short (a one-line reply ending in a number), format "
                    "(<think>/<answer> tags), length (soft overlong punishment)")
@@ -165,9 +166,9 @@ def _check_paths(args: argparse.Namespace) -> None:
     from tandem.engine.arg_utils import check_model_arg
 
     check_model_arg(args.model)
-    if args.dataset != "arithmetic" and not os.path.isfile(args.dataset):
-        raise ValueError(f"--dataset: no file {args.dataset!r}; give 'arithmetic' (built in) or a "
-                         "local JSONL/Parquet file with a 'prompt' column")
+    if args.dataset != "arithmetic" and not os.path.exists(args.dataset):
+        raise ValueError(f"--dataset: nothing at {args.dataset!r}; give 'arithmetic' (built in) or a "
+                         "local JSONL/JSON/Parquet/CSV file (or a folder of them) with a 'prompt' column")
 
 
 def _main(args: argparse.Namespace) -> int:
