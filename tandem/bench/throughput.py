@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -249,6 +250,9 @@ def apply_defaults(cfg: ThroughputConfig, explicit: set[str], cuda: bool) -> Non
             raise ValueError(f"--workload must be one of {sorted(WORKLOADS)}, got {cfg.workload!r}")
         for k, v in WORKLOADS[cfg.workload].items():
             setattr(cfg, k, v)
+        if not cuda:
+            print(f"warning: {cfg.workload} is a GPU workload; on this CPU it takes hours "
+                  "(without --workload a CPU gets a small one)", file=sys.stderr)
         return
     defaults = GPU_DEFAULTS if cuda else CPU_DEFAULTS
     missing = {k: v for k, v in defaults.items() if k not in explicit}
@@ -415,7 +419,8 @@ def _main(args: argparse.Namespace) -> int:
     explicit = {k for k in GPU_DEFAULTS if kw.get(k) is not None}
     kw = {k: v for k, v in kw.items() if k not in GPU_DEFAULTS or v is not None}
     cfg = ThroughputConfig(**kw)
-    apply_defaults(cfg, explicit, torch.cuda.is_available())
+    if not cfg.workload:  # run() applies a named workload
+        apply_defaults(cfg, explicit, torch.cuda.is_available())
     if cfg.model is not None:
         from tandem.engine.arg_utils import check_model_arg
 

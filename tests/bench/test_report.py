@@ -75,3 +75,14 @@ def test_api_keys_stay_out_of_reports(monkeypatch):
     rep = make_report("serve", {"target": {"api_key": "sk-secret", "model": "m"}}, {})
     assert "sk-secret" not in json_line(rep)
     assert rep["config"]["target"] == {"api_key": "<redacted>", "model": "m"}
+
+
+def test_finish_writes_the_file_and_prints_json_only_when_asked(tmp_path, capsys):
+    from tandem.bench.report import finish
+
+    rep = make_report("x", {"a": 1}, {"b": 2})
+    finish(rep, str(tmp_path / "r.json"))
+    assert capsys.readouterr().out == f"report written to {tmp_path / 'r.json'}\n"
+    assert json.loads((tmp_path / "r.json").read_text())["results"] == {"b": 2}
+    finish(rep, None, print_json=True)
+    assert json.loads(capsys.readouterr().out)["kind"] == "x"

@@ -30,3 +30,31 @@ def test_timed_run_under_tensor_parallel_stays_in_step():
         assert fig["prefix_cache_hit_tokens"] == 0
     finally:
         llm.tp_workers.shutdown()
+
+
+def test_defaults_fit_the_device_and_architecture_names_get_random_weights(capsys):
+    from tandem.bench.throughput import CPU_DEFAULTS, GPU_DEFAULTS, _load_format, apply_defaults
+
+    cfg = ThroughputConfig(num_prompts=3)
+    apply_defaults(cfg, {"num_prompts"}, cuda=False)
+    assert (cfg.model, cfg.num_prompts, cfg.output_len) == (None, 3, CPU_DEFAULTS["output_len"])
+    assert "no GPU: a small CPU workload" in capsys.readouterr().out
+    cfg = ThroughputConfig()
+    apply_defaults(cfg, set(), cuda=True)
+    assert (cfg.model, cfg.num_prompts) == (GPU_DEFAULTS["model"], 256)
+    assert _load_format(cfg) == "dummy"  # an architecture name: random weights
+    assert _load_format(ThroughputConfig(model=None)) == "auto"  # the embedded model's own
+
+
+def test_no_roofline_without_known_ceilings(capsys):
+    from tandem.bench.roofline import device_ceilings
+    from tandem.bench.throughput import _print_table
+
+    if not torch.cuda.is_available():
+        assert device_ceilings()[:2] == (None, None)
+        assert device_ceilings(1e12, 1e14) == (1e12, 1e14, "the given ceilings")
+    row = {"output_tokens_per_s": 10.0, "total_tokens_per_s": 20.0, "requests_per_s": 1.0,
+           "peak_memory_gb": None, "roofline_fraction": None, "gpu": None}
+    _print_table({"tandem": row})
+    out = capsys.readouterr().out
+    assert "roofline" not in out.splitlines()[0] and "no roofline" in out
