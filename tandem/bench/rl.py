@@ -3,7 +3,7 @@ TRL's GRPOTrainer (use_vllm=False: transformers `generate`) on the same model, p
 `--compare colocate,server` times colocated data parallel against server mode on two GPUs
 (rl_modes.py, where the exact command lines are).
 
-Workload grpo-1.5b (BENCHMARKS.md): Qwen2.5-1.5B architecture, random weights, 32 prompts x 8
+Workload grpo-1.5b (docs/benchmarks.md): Qwen2.5-1.5B architecture, random weights, 32 prompts x 8
 generations per step, 128 prompt tokens, 256 completion tokens, full fine-tune in bf16, beta 0.
 """
 

@@ -1,10 +1,10 @@
-"""The decode ceiling of BENCHMARKS.md: weights + KV read per step against HBM bandwidth and FLOPs."""
+"""The decode ceiling of docs/benchmarks.md: weights + KV read per step against HBM bandwidth and FLOPs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Measured on one H200 here (BENCHMARKS.md): device copy 4.2 TB/s, bf16 matmul 791 TFLOP/s.
+# Measured on one H200 here (docs/benchmarks.md): device copy 4.2 TB/s, bf16 matmul 791 TFLOP/s.
 H200_HBM_BYTES_PER_S = 4.2e12
 H200_BF16_FLOPS = 791e12
 KNOWN_DEVICES = {"H200": (H200_HBM_BYTES_PER_S, H200_BF16_FLOPS)}  # name substring -> ceilings

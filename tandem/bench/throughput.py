@@ -20,7 +20,7 @@ import torch
 
 from tandem.bench.roofline import ModelShape, ceiling_tokens_per_s, device_ceilings
 
-WORKLOADS = {  # BENCHMARKS.md
+WORKLOADS = {  # docs/benchmarks.md
     "gen-1.5b": dict(model="qwen2.5-1.5b", num_prompts=256, input_len=128, output_len=256),
     "gen-1.5b-long": dict(
         model="qwen2.5-1.5b", num_prompts=256, input_len=(100, 1024), output_len=(100, 1024)
@@ -347,7 +347,7 @@ def _print_table(results: dict, roofline_device: str | None = None) -> None:
     if "speedup_vs_hf" in results:
         print(f"tandem / hf output tokens/s: {results['speedup_vs_hf']:.1f}x")
     if roof:
-        print(f"roofline: the decode ceiling of {roofline_device} (BENCHMARKS.md)")
+        print(f"roofline: the decode ceiling of {roofline_device} (docs/benchmarks.md)")
     else:
         print("no roofline: this device's bandwidth and FLOP/s are not known here; "
               "--hbm-bytes-per-s and --peak-flops give them")
@@ -370,7 +370,7 @@ def add_parser(subparsers) -> None:
                    help="local model dir (its weights), .gguf, or architecture name (random weights) "
                    "(default: qwen2.5-1.5b on a GPU, the embedded SmolLM2-135M-Instruct on a CPU)")
     p.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
-                   help="a named workload of BENCHMARKS.md (sets model, prompts and lengths)")
+                   help="a named workload of docs/benchmarks.md (sets model, prompts and lengths)")
     p.add_argument("--load-format", default=d.load_format,
                    help="auto: a dir's own weights, random ones for an architecture name | dummy | "
                    "safetensors | pt | gguf")

@@ -1,4 +1,4 @@
-"""Architectures by name, for random-weight benchmarks with nothing to download (BENCHMARKS.md)."""
+"""Architectures by name, for random-weight benchmarks with nothing to download (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
