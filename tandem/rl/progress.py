@@ -60,9 +60,11 @@ class TrainProgress:
         self.bar = tqdm(total=total, initial=initial, unit="step", desc="GRPO", file=file,
                         dynamic_ncols=True, disable=None if enabled is None else not enabled,
                         smoothing=0.3)
+        self.values: dict[str, float | None] = {}
 
     def update(self, step: int, values: dict[str, float | None]) -> None:
-        self.bar.set_postfix_str(bar_postfix(values), refresh=False)
+        self.values.update(values)  # an evaluation's record keeps the last step's figures shown
+        self.bar.set_postfix_str(bar_postfix(self.values), refresh=False)
         self.bar.update(max(0, step - self.bar.n))
 
     def close(self) -> None:

@@ -32,6 +32,10 @@ def test_progress_bar_shows_the_step_the_figures_and_an_eta():
     bar.close()
     last = out.getvalue().split("\r")[-1]
     assert "5/10" in last and "reward 1.5, held-out 25.0%" in last and "<" in last  # elapsed<ETA
+    bar = progress.TrainProgress(10, file=io.StringIO(), enabled=True)
+    bar.update(1, {"reward": 1.0})
+    bar.update(1, {"eval/accuracy_reward/mean": 0.5})  # an evaluation's record
+    assert bar.bar.postfix == "reward 1, held-out 50.0%"
 
 
 def test_the_logger_keeps_a_bar_only_for_a_console(tmp_path):
