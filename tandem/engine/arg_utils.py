@@ -75,9 +75,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def check_model_arg(model: str | None, load_format: str = "auto", flag: str = "--model") -> None:
-    """Refuse a model that cannot load, before anything loads: a clear line naming the flag."""
+    """Refuse a model that cannot load, before anything loads: a clear line naming the flag.
+    A hub id ("org/name") is left to the loader, which looks in the HF cache (or downloads)."""
     if model is None:
         return
+    from tandem.models.hub import looks_like_repo_id
     from tandem.models.presets import ALIASES, PRESETS
 
     if model.endswith(".gguf"):
@@ -90,15 +92,18 @@ def check_model_arg(model: str | None, load_format: str = "auto", flag: str = "-
         return
     if os.path.exists(model):
         raise ValueError(f"{flag}: {model!r} is a file; give a model directory or a .gguf file")
-    if model.lower() in PRESETS or model.lower() in ALIASES:
-        if load_format != "dummy":
-            raise ValueError(
-                f"{flag}: {model!r} names an architecture, not weights on disk; add "
-                "--load-format dummy for random weights, or give a local model directory"
-            )
+    preset = model.lower() in PRESETS or model.lower() in ALIASES
+    if preset and load_format == "dummy":
         return
+    if looks_like_repo_id(model):
+        return
+    if preset:
+        raise ValueError(
+            f"{flag}: {model!r} names an architecture, not weights on disk; add "
+            "--load-format dummy for random weights, or give a local model directory"
+        )
     raise ValueError(
-        f"{flag}: {model!r} is not a local model directory, a .gguf file or an architecture name "
-        f"({', '.join(PRESETS)}); tandem loads local files only: download one first, e.g. "
-        "`hf download HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR`, and pass DIR"
+        f"{flag}: {model!r} is not a local model directory, a .gguf file, a hub id (org/name) or "
+        f"an architecture name ({', '.join(PRESETS)}); e.g. `hf download "
+        "HuggingFaceTB/SmolLM2-135M-Instruct --local-dir DIR`, then pass DIR"
     )
