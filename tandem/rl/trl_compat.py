@@ -4,8 +4,8 @@ A TRL script passes many of them. Each name here is accepted: given its default 
 given another value it is either ignored with a warning (shown once per field, by Python's own
 warnings filter) when ignoring it cannot change what is trained, or refused with an error naming
 the field and what to do instead. Fields tandem honours are ordinary `GRPOConfig` fields; the
-README's table lists both kinds. Every accepted name is readable on the config as an attribute, so
-transformers callbacks that read `args.<field>` work.
+table in docs/compatibility.md lists both kinds. Every accepted name is readable on the config
+as an attribute, so transformers callbacks that read `args.<field>` work.
 """
 
 from __future__ import annotations
