@@ -91,7 +91,7 @@ def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
         kwargs["use_liger_kernel"] = importlib.util.find_spec("liger_kernel") is not None
     args = TRLConfig(output_dir="/tmp/trl-bench-rl", report_to="none", save_strategy="no", use_vllm=False,
                      disable_dropout=True, **kwargs)
-    walls: list[float] = []
+    spans: list[tuple[float, float]] = []
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -100,7 +100,7 @@ def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             torch.cuda.synchronize()
-            walls.append(time.perf_counter() - self.t0)
+            spans.append((self.t0, time.perf_counter()))
 
     mon = GpuMonitor()
     trainer = TRLTrainer(model=model, reward_funcs=even_token_reward, args=args, train_dataset=data,
@@ -108,9 +108,9 @@ def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
     mon.start()
     trainer.train()
     mon.stop()
-    steady = walls[1:]
-    out = _summary([{"wall": w} for w in steady], cfg)
-    out["gpu"] = mon.summary()
+    steady = spans[1:]  # after the warm-up step, as tandem's
+    out = _summary([{"wall": end - start} for start, end in steady], cfg)
+    out["gpu"] = mon.summary(window=(steady[0][0], steady[-1][1]))  # the timed steps only
     out["liger"] = bool(kwargs.get("use_liger_kernel"))
     del trainer, model
     return out
