@@ -59,9 +59,10 @@ class HelpFormatter(argparse.HelpFormatter):
         text = text.removesuffix(auto)
         if "default" in text or not action.option_strings:
             return text
-        if action.default is None or action.default is False or action.default in ("", argparse.SUPPRESS) or isinstance(
-            action, (argparse._StoreTrueAction, argparse._StoreFalseAction)
-        ):
+        flags = (argparse._StoreTrueAction, argparse._StoreFalseAction)
+        if action.default is None or action.default is False or isinstance(action, flags):
+            return text
+        if action.default in ("", argparse.SUPPRESS):
             return text
         return text + auto
 

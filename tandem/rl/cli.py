@@ -25,8 +25,9 @@ DEMO_OVERRIDES = dict(
 GPU_DEMO_OVERRIDES = dict(DEMO_OVERRIDES, per_device_train_batch_size=64, max_completion_length=32,
                           max_steps=60, save_steps=60)
 DEMO_EVAL_SAMPLES = {"cpu": 32, "cuda": 256}
-ACCURACY = "accuracy_reward/mean"
-REWARD_RANGES = {"accuracy": (0, 1), "short": (0, 1), "format": (0, 1), "length": (-1, 0)}  # the reward component that is the arithmetic task's accuracy
+ACCURACY = "accuracy_reward/mean"  # the reward component that is the arithmetic task's accuracy
+# each built-in reward's bounds, for the summary
+REWARD_RANGES = {"accuracy": (0, 1), "short": (0, 1), "format": (0, 1), "length": (-1, 0)}
 _SKIP = {"chat_template_kwargs", "reward_weights", "report_to"}
 # one line per GRPOConfig field (TRL's names and meanings); the default is appended by the CLI
 FIELD_HELP = {
@@ -152,7 +153,8 @@ def add_subcommands(sub) -> None:
             continue
         tp = _type_of(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        help_ = f"{FIELD_HELP.get(f.name, f.name.replace('_', ' '))} {_default_text(f.name, f.default)}"
+        text = FIELD_HELP.get(f.name, f.name.replace("_", " "))
+        help_ = f"{text} {_default_text(f.name, f.default)}"
         if tp is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif tp in (int, float, str):
@@ -235,8 +237,8 @@ def _main(args: argparse.Namespace) -> int:
                               accuracy_key=f"rewards/{ACCURACY}" if held_out else None)
     summary = {"held_out_before": before, "held_out_after": after, "steps": trainer.global_step,
                "reward_curve": curve, "output_dir": config.output_dir}
-    for line in summary_lines(args.rewards, eval_samples, held_out, before, after, curve, config.output_dir):
-        print(line)
+    lines = summary_lines(args.rewards, eval_samples, held_out, before, after, curve, config.output_dir)
+    print("\n".join(lines))
     print(json.dumps(summary))
     return 0
 

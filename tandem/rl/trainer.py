@@ -231,8 +231,8 @@ class GRPOTrainer:
             ckpt.check_fresh_output_dir(a.output_dir, a.overwrite_output_dir, self.dist.is_main)
             self.dist.barrier()
         resume_step = self._resume(resume_from_checkpoint)
-        self.logger = (MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step, total_steps=self.max_steps)
-                       if self.dist.is_main else None)
+        self.logger = (MetricsLogger(a.output_dir, a.report_to, resume_step=resume_step,
+                                     total_steps=self.max_steps) if self.dist.is_main else None)
         state.max_steps, state.num_train_epochs = self.max_steps, a.num_train_epochs
         state.logging_steps = resolve_interval(a.logging_steps, self.max_steps)
         state.eval_steps = resolve_interval(a.eval_steps, self.max_steps)
