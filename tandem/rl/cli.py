@@ -107,11 +107,15 @@ FIELD_HELP = {
 }
 
 
+NONE_MEANS = {"gradient_checkpointing": "the trainer's memory plan decides"}
+
+
 def _default_text(name: str, default) -> str:
     """The default a run gets: the demo's where it differs (no --model: CPU and GPU sizes)."""
     if name not in DEMO_OVERRIDES:
         return "" if default is None else f"(default: {default})"
     cpu, gpu = DEMO_OVERRIDES[name], GPU_DEMO_OVERRIDES[name]
+    default = NONE_MEANS.get(name, default) if default is None else default
     if cpu == gpu == default:
         return f"(default: {default})"
     demo = f"{cpu}" if cpu == gpu else f"{cpu} on a CPU, {gpu} on a GPU"
