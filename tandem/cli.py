@@ -29,13 +29,18 @@ def _generate(args: argparse.Namespace) -> int:
     from tandem import LLM
 
     EngineConfig.from_kwargs(**kwargs)  # the engine flags' own checks, still before loading
+    tty = sys.stderr.isatty()
+    if tty:  # loading takes seconds on a CPU (the first run also converts the embedded GGUF)
+        print(f"loading {args.model or 'the embedded SmolLM2-135M-Instruct'} ...", file=sys.stderr,
+              flush=True)
     llm = LLM(**kwargs)
     tok = llm.get_tokenizer()
     use_chat = args.chat if args.chat is not None else bool(tok is not None and tok.chat_template)
+    bar = tty and len(prompts) * args.n > 1
     if use_chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=bar)
     else:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=bar)
     for prompt, out in zip(prompts, outs):
         for c in out.outputs:
             if len(prompts) > 1 or args.n > 1:
