@@ -26,7 +26,7 @@ from tandem.bench.rl_workload import (
     even_token_reward,
     model_and_data,
 )
-from tandem.bench.roofline import H200_BF16_FLOPS
+from tandem.bench.roofline import device_ceilings
 
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
@@ -67,7 +67,9 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     # recomputed forward is not useful work), N the parameters (a tied head counted once).
     n_params = sum(p.numel() for p in trainer.model.parameters())
     train_tokens = cfg.num_prompts * cfg.num_generations * (cfg.prompt_len + cfg.completion_len)
-    out["train_mfu"] = 6 * n_params * train_tokens / out["breakdown_s"]["train"] / H200_BF16_FLOPS
+    peak = device_ceilings()[1]  # None where this GPU's peak is not known: no MFU then
+    out["peak_flops"] = peak
+    out["train_mfu"] = 6 * n_params * train_tokens / out["breakdown_s"]["train"] / peak if peak else None
     out["train_memory"] = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")}
     out["engine_memory"] = trainer.llm.memory_report()
     out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # trainer + engine
@@ -163,8 +165,9 @@ def run(cfg: RLBenchConfig) -> dict:
         t = results["tandem"]
         mem = t.get("train_memory", {})
         plan = f", plan {mem['memory/train_plan_gib']:.1f}" if "memory/train_plan_gib" in mem else ""
-        print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s, MFU {100 * t['train_mfu']:.1f}% "
-              f"(6 x params x tokens / {H200_BF16_FLOPS / 1e12:.0f} TFLOP/s), recompute "
+        mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x tokens / {t['peak_flops'] / 1e12:.0f} "
+               "TFLOP/s)" if t["train_mfu"] is not None else "MFU unknown (this GPU's peak is not known)")
+        print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s, {mfu}, recompute "
               f"{'on' if mem.get('memory/recompute') else 'off'}; peak {mem.get('memory/train_peak_gib', 0):.1f} GiB"
               f"{plan} (resident {mem.get('memory/train_resident_gib', 0):.1f})")
         by_phase = {k: v for k, v in results["tandem"]["gpu_util_by_phase"].items() if v is not None}
