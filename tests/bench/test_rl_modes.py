@@ -54,3 +54,18 @@ def test_cli_defaults_come_from_the_dataclass():
     a = p.parse_args(["rl", "--compare", "colocate,server", "--fsdp"])
     assert a.device == RLBenchConfig.device and a.fsdp is True and a.compare == "colocate,server"
     assert a.server_gpu_memory_utilization == RLBenchConfig.server_gpu_memory_utilization
+
+
+def test_cpu_gets_the_small_workload_unless_told_otherwise(monkeypatch):
+    from tandem import cli
+    from tandem.bench import rl
+    from tandem.bench.rl_workload import CPU_SIZES
+
+    seen = []
+    monkeypatch.setattr(rl, "run", seen.append)
+    assert cli.main(["bench", "rl", "--compare", "colocate,server", "--device", "cpu",
+                     "--steps", "1"]) == 0
+    assert seen[0].model == CPU_SIZES["model"] and seen[0].num_prompts == CPU_SIZES["num_prompts"]
+    assert seen[0].steps == 1  # a flag given wins
+    assert cli.main(["bench", "rl"]) == 0
+    assert (seen[1].model, seen[1].num_prompts) == (RLBenchConfig.model, RLBenchConfig.num_prompts)
