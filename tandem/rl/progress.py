@@ -5,6 +5,7 @@ metric still goes to metrics.jsonl and TensorBoard (logging.py); this is only th
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -103,8 +104,11 @@ def _head(text: str, n: int) -> str:
 
 def completions_table(step: int, prompts: Sequence[str], completions: Sequence[str],
                       rewards: Sequence[float | None], advantages: Sequence[float | None],
-                      total: int, width: int = 100) -> str:
-    """TRL's log_completions table, as text: reward, advantage, the prompt's end, the completion."""
+                      total: int, width: int | None = None) -> str:
+    """TRL's log_completions table, as text: reward, advantage, the prompt's end, the completion;
+    `width` None: the terminal's (60 to 140 columns)."""
+    if width is None:
+        width = min(140, max(60, shutil.get_terminal_size((100, 24)).columns))
     p_w = (width - 21) * 2 // 5  # 21: the number columns and the gaps
     c_w = width - 21 - p_w
     lines = [f"step {step}: {len(prompts)} of {total} completions",
