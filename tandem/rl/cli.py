@@ -32,6 +32,7 @@ _SKIP = {"chat_template_kwargs", "reward_weights", "report_to"}
 # one line per GRPOConfig field (TRL's names and meanings); the default is appended by the CLI
 FIELD_HELP = {
     "output_dir": "checkpoints, metrics.jsonl, TensorBoard logs and the reward curve go here",
+    "overwrite_output_dir": "a fresh run may replace another run's checkpoints and metrics there",
     "seed": "random seed (data order, sampling, the built-in task)",
     "max_steps": "optimizer steps to run; > 0 wins over --num-train-epochs",
     "num_train_epochs": "passes over the dataset (when --max-steps is -1)",
