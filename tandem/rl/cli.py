@@ -94,6 +94,7 @@ FIELD_HELP = {
     "optim": "adamw_torch | adamw_torch_fused | adamw_hf | sgd | adagrad | rmsprop",
     "warmup_steps": "learning-rate warm-up steps",
     "disable_dropout": "turn the model's dropout off",
+    "padding_free": "pack each micro-batch's rows into one sequence: no FLOP on padding",
     "use_liger_kernel": "accepted for TRL scripts; tandem's logprobs use its own chunked kernel",
     "use_vllm": "accepted for TRL scripts: tandem's engine always generates (False warns)",
     "vllm_server_host": "--vllm-mode server: the server's host (when no --vllm-server-base-url)",
