@@ -15,7 +15,8 @@ class SamplingParams:
     """Sampling settings for one request; validated on construction.
 
     temperature 0 means greedy. `logprobs=k` returns, at each position, the log-probability of the
-    sampled token and of the k most likely tokens (vLLM's convention).
+    sampled token and of the k most likely tokens (vLLM's convention); `prompt_logprobs=k` does the
+    same for every prompt token after the first, from the raw (unprocessed) logits.
     """
 
     n: int = 1
@@ -68,10 +69,8 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         self.seed = check_int("seed", self.seed, 0, 2**63 - 2**16 - 1, optional=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS, optional=True)
-        if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs is not implemented; leave it None, got {self.prompt_logprobs!r}"
-            )
+        self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, _MAX_LOGPROBS,
+                                         optional=True)
         self.repetition_penalty = check_float(
             "repetition_penalty", self.repetition_penalty, 0.0, 1e6, lo_open=True
         )

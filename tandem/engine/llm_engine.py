@@ -171,6 +171,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
+            raise ValueError(f"prompt_logprobs must be <= 20, got {params.prompt_logprobs}")
 
     def add_request(
         self,
@@ -280,6 +282,8 @@ class LLMEngine:
         """Take the step's sampled tokens into their sequences; finish the ones that stopped."""
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
         self.device_wait_s += sampled.wait_s
+        if sampled.prompt_spans:
+            self._record_prompt_logprobs(sched, sampled)
         outputs = self.output_processor
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
@@ -298,6 +302,21 @@ class LLMEngine:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
+
+    @staticmethod
+    def _record_prompt_logprobs(sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
+        lps, ranks, top_ids, top_lps = sampled.get_prompt_logprobs()
+        row = 0
+        for i, count in sampled.prompt_spans:
+            seq = sched.seqs[i]
+            if not seq.is_finished:  # (aborted meanwhile)
+                seq.prompt_lps += lps[row : row + count]
+                seq.prompt_ranks += ranks[row : row + count]
+                if top_ids is not None:
+                    k = seq.sampling_params.prompt_logprobs
+                    seq.prompt_tops += [list(zip(ids[:k], lp[:k])) for ids, lp in
+                                        zip(top_ids[row : row + count], top_lps[row : row + count])]
+            row += count
 
     # -- introspection -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:

@@ -64,6 +64,12 @@ class Sequence:
         # hot loop allocates nothing the cyclic collector has to walk.
         self.output_ranks: list[int] = []
         self.top_logprobs: list[dict[int, tuple[float, int]]] = []
+        # With sampling_params.prompt_logprobs (the request's first sample only): for each prompt
+        # position p computed so far, the logprob and rank of prompt token p + 1 given tokens
+        # 0..p, and its top-k alternatives [(token, logprob)].
+        self.prompt_lps: list[float] = []
+        self.prompt_ranks: list[int] = []
+        self.prompt_tops: list[list[tuple[int, float]]] = []
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.output_text = ""
@@ -109,6 +115,13 @@ class Sequence:
     @property
     def in_prompt_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt logprobs are still to be computed for this sample: its prefill may not
+        start from the prefix cache (a cached block keeps KV, not logits), as in vLLM."""
+        return (self.sampling_params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_lps) < self.num_prompt_tokens - 1)
 
     @property
     def has_placeholder(self) -> bool:

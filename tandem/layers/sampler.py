@@ -48,6 +48,31 @@ class SamplerOutput:
     topk_ids: torch.Tensor | None = None  # [S, k]
     topk_logprobs: torch.Tensor | None = None  # [S, k]
     ranks: torch.Tensor | None = None  # [S] rank of the sampled token (1 = most likely)
+    prompt_logprobs: PromptLogprobs | None = None  # prefill chunks that asked for them
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens computed in one step: one row R per predicted prompt token."""
+
+    logprobs: torch.Tensor  # [R] fp32, of the prompt token
+    ranks: torch.Tensor  # [R] int64
+    topk_ids: torch.Tensor | None  # [R, k]
+    topk_logprobs: torch.Tensor | None  # [R, k]
+    spans: list[tuple[int, int]]  # host: (index of the sequence in the step, its rows), in row order
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw log_softmax(logits)[target], its rank and the top k (vLLM's prompt logprobs)."""
+    logprobs_all = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    picked = logprobs_all.gather(1, targets[:, None])  # [R, 1]
+    ranks = (logprobs_all > picked).sum(dim=-1) + 1
+    top_lps = top_ids = None
+    if k > 0:
+        top_lps, top_ids = logprobs_all.topk(k, dim=-1)
+    return picked.squeeze(1), ranks, top_ids, top_lps
 
 
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
