@@ -55,7 +55,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     # Accepted so that clients sending them get a clear 400, not a silently different result.
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
 
     @field_validator("stop")
     @classmethod
@@ -71,7 +71,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -90,6 +90,12 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(prompt, list) and (not prompt or any(p in ([], "") for p in prompt)):
             raise ValueError("must not be empty")
         return prompt
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens=0`: the prompt and its logprobs, nothing generated (vLLM runs
+        it as max_tokens=1 and drops the token)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (one text or one token-id list each)."""
@@ -127,7 +133,6 @@ def reject_unsupported(req: _SamplingRequest) -> None:
     """Fields we parse but do not implement: an error naming them beats ignoring them."""
     unsupported = {
         "logit_bias": bool(req.logit_bias),
-        "prompt_logprobs": req.prompt_logprobs is not None,
         "suffix": getattr(req, "suffix", None) is not None,
         "best_of": getattr(req, "best_of", None) not in (None, req.n),
         "tools": bool(getattr(req, "tools", None)),
@@ -139,6 +144,8 @@ def reject_unsupported(req: _SamplingRequest) -> None:
             raise APIError(
                 f"{name} is not supported by this server", param=name, code="unsupported"
             )
+    if isinstance(req, CompletionRequest) and req.max_tokens == 0 and not req.echo:
+        raise APIError("max_tokens=0 needs echo=true (it scores the prompt)", param="max_tokens")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -150,6 +157,10 @@ def sampling_params(
 
     def pick(value, default):
         return default if value is None else value
+
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and getattr(req, "echo", False):
+        prompt_logprobs = logprobs  # the echoed prompt carries logprobs like the output (vLLM)
 
     return SamplingParams(
         n=req.n,
@@ -164,6 +175,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         seed=req.seed,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         repetition_penalty=pick(req.repetition_penalty, 1.0),
         presence_penalty=pick(req.presence_penalty, 0.0),
         frequency_penalty=pick(req.frequency_penalty, 0.0),
