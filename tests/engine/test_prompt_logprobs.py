@@ -29,7 +29,7 @@ def check(model, out, k):
     for p in range(1, len(prompt)):
         entry, row = plp[p], ref[p - 1]
         token = prompt[p]
-        assert list(entry)[0] == token
+        assert next(iter(entry)) == token  # the prompt token first, then its alternatives
         assert entry[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
         assert entry[token].rank == int((row > row[token]).sum()) + 1
         top = row.topk(k).indices.tolist()
