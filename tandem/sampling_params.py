@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandem.checks import check_bool, check_float, check_int
@@ -38,6 +39,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +80,9 @@ class SamplingParams:
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             check_bool(name, getattr(self, name))
+        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or any(
+                not isinstance(t, int) or t < 0 or not math.isfinite(b) for t, b in self.logit_bias.items())):
+            raise ValueError(f"logit_bias must map token ids >= 0 to finite numbers, got {self.logit_bias!r}")
 
     @property
     def greedy(self) -> bool:

@@ -169,6 +169,9 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids: ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias: ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > 20:

@@ -253,6 +253,11 @@ class ModelRunner:
                 cols.extend(banned)
         if rows:
             m.min_tokens_mask = (self._to_device(rows, torch.int64), self._to_device(cols, torch.int64))
+        if any(p.logit_bias for p in params):
+            biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+            r, c, b = zip(*biased)
+            m.logit_bias = (self._to_device(r, torch.int64), self._to_device(c, torch.int64),
+                            self._to_device(b, torch.float32))
         if any(p.has_penalties for p in params):
             S = len(seqs)
             prompt_mask = torch.zeros(S, V + 1, dtype=torch.bool)
@@ -353,7 +358,8 @@ class ModelRunner:
         if sample_rows and len(sample_rows) < num_tokens:  # prefill chunks that end mid-prompt
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         prompt_lps = None
-        if meta.decode_only and sample_rows and graphs is not None and graphs.can_run(num_seqs) and not plp_rows:
+        decode_graph = graphs is not None and graphs.can_run(num_seqs) and not plp_rows  # (no hidden)
+        if meta.decode_only and sample_rows and decode_graph:
             # (a decode-shaped step may hold a 1-token chunk of a longer prompt: no row to sample)
             logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             if rows is not None:

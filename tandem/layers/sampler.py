@@ -28,6 +28,8 @@ class SamplingMetadata:
     processed_logprobs: bool
     # (rows, token ids) whose logits are -inf: EOS and stop tokens before min_tokens
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) added to the logits first (the requests' logit_bias)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # penalties (None when no row has any)
     prompt_mask: torch.Tensor | None = None  # [S, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [S, V] counts in the output so far
@@ -85,6 +87,15 @@ def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     logits = logits - m.frequency_penalty[:, None] * counts
     logits = logits - m.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, m: SamplingMetadata) -> None:
+    """In place: each request's logit_bias added, then EOS/stop tokens banned before min_tokens."""
+    if m.logit_bias is not None:
+        rows, cols, bias = m.logit_bias
+        logits.index_put_((rows, cols), bias.to(logits.dtype), accumulate=True)
+    if m.min_tokens_mask is not None:
+        logits[m.min_tokens_mask] = float("-inf")
 
 
 def apply_top_k_top_p(
@@ -152,8 +163,7 @@ class Sampler(nn.Module):
     def _fused(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         from tandem.kernels.sampling import sample
 
-        if m.min_tokens_mask is not None:  # in place: the logits are this step's scratch
-            logits[m.min_tokens_mask] = float("-inf")
+        apply_logit_bias(logits, m)  # in place: the logits are this step's scratch
         greedy = seeds = None
         if not m.all_greedy:
             greedy = m.greedy
@@ -175,8 +185,7 @@ class Sampler(nn.Module):
 
     def _torch(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        if m.min_tokens_mask is not None:
-            logits[m.min_tokens_mask] = float("-inf")
+        apply_logit_bias(logits, m)
         if m.output_counts is not None:
             logits = apply_penalties(logits, m)
         raw = logits

@@ -82,10 +82,13 @@ class OpenAIServingCompletion(OpenAIServing):
             text += c.text
             ids += c.token_ids
             entries += c.logprobs or []
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _logprobs(ids, entries, offset, self._token_text)
         choice = {
             "index": i * req.n + c.index,
             "text": text,
-            "logprobs": _logprobs(ids, entries, offset, self._token_text) if req.logprobs is not None else None,
+            "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }

@@ -53,8 +53,7 @@ class _SamplingRequest(BaseModel):
         False  # vLLM: token ids beside the text (the only output without a tokenizer)
     )
     user: str | None = None
-    # Accepted so that clients sending them get a clear 400, not a silently different result.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=1024)  # token id -> bias
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
 
     @field_validator("stop")
@@ -126,24 +125,50 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
     response_format: dict | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True  # (a prompt only: a rendered template has its own)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: TokenIds = Field(max_length=1 << 20)
 
 
 def reject_unsupported(req: _SamplingRequest) -> None:
     """Fields we parse but do not implement: an error naming them beats ignoring them."""
     unsupported = {
-        "logit_bias": bool(req.logit_bias),
         "suffix": getattr(req, "suffix", None) is not None,
         "best_of": getattr(req, "best_of", None) not in (None, req.n),
-        "tools": bool(getattr(req, "tools", None)),
+        # no tool-call parser: tools only as context for the template, with tool_choice="none"
+        "tools": bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none",
         "response_format": (getattr(req, "response_format", None) or {}).get("type", "text")
         != "text",
     }
     for name, used in unsupported.items():
         if used:
+            hint = ""
+            if name == "tools":
+                hint = '; send tool_choice="none" to give the model the tools as context'
             raise APIError(
-                f"{name} is not supported by this server", param=name, code="unsupported"
+                f"{name} is not supported by this server{hint}", param=name, code="unsupported"
             )
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be given when stream=true", param="stream_options")
     if isinstance(req, CompletionRequest) and req.max_tokens == 0 and not req.echo:
         raise APIError("max_tokens=0 needs echo=true (it scores the prompt)", param="max_tokens")
     if isinstance(req, ChatCompletionRequest) and req.top_logprobs and not req.logprobs:
@@ -163,6 +188,7 @@ def sampling_params(
         prompt_logprobs = logprobs  # the echoed prompt carries logprobs like the output (vLLM)
 
     return SamplingParams(
+        logit_bias=logit_bias(req.logit_bias),
         n=req.n,
         temperature=pick(req.temperature, 1.0),
         top_p=pick(req.top_p, 1.0),
@@ -182,3 +208,17 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias}, each bias clamped to [-100, 100] as OpenAI and vLLM do."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+        out[token] = min(100.0, max(-100.0, value))
+    return out
