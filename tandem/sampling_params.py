@@ -12,6 +12,30 @@ _MAX_LOGPROBS = 2**20  # the engine's own limit (20) is checked where it is know
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names): exactly one of a JSON schema, any JSON object,
+    a regex, one of a list of strings, or a Lark grammar."""
+
+    json: dict | str | None = None  # a JSON schema (a dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: compact separators only, no free whitespace
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or any(
+                not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be non-empty strings, got {self.choice!r}")
+
+
+@dataclass
 class SamplingParams:
     """Sampling settings for one request; validated on construction.
 
@@ -40,6 +64,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a grammar)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +108,9 @@ class SamplingParams:
         if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or any(
                 not isinstance(t, int) or t < 0 or not math.isfinite(b) for t, b in self.logit_bias.items())):
             raise ValueError(f"logit_bias must map token ids >= 0 to finite numbers, got {self.logit_bias!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -14,6 +14,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.structured_output import StructuredOutputManager
 from tandem.engine.worker import Worker
 from tandem.weights.check import TensorSpec, specs_of
 from tandem.models.loader import ModelSource, resolve_model
@@ -54,6 +55,7 @@ class LLMEngine:
         self._drained: list[RequestOutput] = []
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+        self._structured: StructuredOutputManager | None = None  # made at the first constraint
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
@@ -194,16 +196,27 @@ class LLMEngine:
             request_id = str(next(self._request_counter))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        matchers = [None] * params.n
+        if params.structured_outputs is not None:
+            matchers = [self.structured_outputs.matcher(params.structured_outputs) for _ in range(params.n)]
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
         for i in range(params.n):
             seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, self.eos_token_ids)
+            seq.matcher = matchers[i]
             leader = leader or seq
             state.seqs.append(seq)
         self.output_processor.add_request(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
         return request_id
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
+                                                       self.eos_token_ids)
+        return self._structured
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else request_id
@@ -301,10 +314,20 @@ class LLMEngine:
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
             stop = outputs.check_stop(state, seq)
+            if seq.matcher is not None and stop is None:
+                stop = self._advance_grammar(seq, token_ids[row])
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token_id: int) -> tuple[str, None] | None:
+        """The sample's grammar takes its new token; it ends when the grammar is complete and
+        can take nothing more (or, should a token break it, at once)."""
+        if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
+            return ("stop", None)
+        return None
 
     @staticmethod
     def _record_prompt_logprobs(sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:

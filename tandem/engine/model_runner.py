@@ -10,6 +10,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.structured_output import fill_bitmask
 from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention
 from tandem.layers.sampler import (
@@ -209,7 +210,11 @@ class ModelRunner:
             self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
         if m.seeded_rows is not None:  # the one per-step input of a seeded row's key
             m.seed_offsets = self._to_device([seqs[r].num_tokens for r in m.seeded_rows_cpu], torch.int64)
-        self.sampling_reads_history = m.output_counts is not None
+        if m.structured_rows is not None:  # computed on the host, copied without waiting
+            mask = fill_bitmask([seqs[r].matcher for r in m.structured_rows_cpu], self.vocab_size, self.pin)
+            m.grammar_bitmask = mask.to(self.device, non_blocking=True)
+        # the next step's sampling needs this one's tokens on the host (penalty counts, grammars)
+        self.sampling_reads_history = m.output_counts is not None or m.structured_rows is not None
         return m
 
     def _build_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
@@ -253,6 +258,9 @@ class ModelRunner:
                 cols.extend(banned)
         if rows:
             m.min_tokens_mask = (self._to_device(rows, torch.int64), self._to_device(cols, torch.int64))
+        structured = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if structured:
+            m.structured_rows, m.structured_rows_cpu = self._to_device(structured, torch.int64), structured
         if any(p.logit_bias for p in params):
             biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
             r, c, b = zip(*biased)

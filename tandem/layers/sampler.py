@@ -30,6 +30,10 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # (rows, token ids, biases) added to the logits first (the requests' logit_bias)
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # structured outputs: the constrained rows, and each step their grammars' allowed tokens
+    structured_rows: torch.Tensor | None = None  # [R] int64
+    structured_rows_cpu: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, a bit per token
     # penalties (None when no row has any)
     prompt_mask: torch.Tensor | None = None  # [S, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [S, V] counts in the output so far
@@ -90,12 +94,23 @@ def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
 
 
 def apply_logit_bias(logits: torch.Tensor, m: SamplingMetadata) -> None:
-    """In place: each request's logit_bias added, then EOS/stop tokens banned before min_tokens."""
+    """In place: each request's logit_bias added, the tokens its grammar forbids and (before
+    min_tokens) EOS/stop tokens banned. Device work only: nothing waits for the device."""
     if m.logit_bias is not None:
         rows, cols, bias = m.logit_bias
         logits.index_put_((rows, cols), bias.to(logits.dtype), accumulate=True)
+    if m.grammar_bitmask is not None:
+        apply_grammar_bitmask(logits, m.structured_rows, m.grammar_bitmask)
     if m.min_tokens_mask is not None:
         logits[m.min_tokens_mask] = float("-inf")
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits[rows] of the tokens whose bit is 0 become -inf (bit t of a row: token t allowed)."""
+    V = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # [R, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_top_k_top_p(
