@@ -14,7 +14,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
-from tandem.engine.structured_output import StructuredOutputManager
+from tandem.engine.structured_output import StructuredOutputManager, check_grammar
 from tandem.engine.worker import Worker
 from tandem.weights.check import TensorSpec, specs_of
 from tandem.models.loader import ModelSource, resolve_model
@@ -178,6 +178,8 @@ class LLMEngine:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
             raise ValueError(f"prompt_logprobs must be <= 20, got {params.prompt_logprobs}")
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
 
     def add_request(
         self,

@@ -37,6 +37,19 @@ def grammar_source(so: StructuredOutputsParams) -> str:
     return LLMatcher.grammar_from_lark(so.grammar)
 
 
+def check_grammar(so: StructuredOutputsParams) -> None:
+    """ValueError naming the problem when the constraint does not compile (no tokenizer needed:
+    the API server checks before the request reaches the engine)."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        raise ValueError("structured_outputs need llguidance: pip install llguidance "
+                         "(it comes with tandem[serve])") from None
+    error = LLMatcher.validate_grammar(grammar_source(so))
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"structured_outputs: invalid grammar: {error.strip()}")
+
+
 class StructuredOutputManager:
     """Compiles constraints into matchers, cached per grammar."""
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 from tandem.serve.errors import APIError
 
 MAX_N = 128  # OpenAI's own bound on `n`
@@ -54,6 +54,13 @@ class _SamplingRequest(BaseModel):
     )
     user: str | None = None
     logit_bias: dict[str, float] | None = Field(None, max_length=1024)  # token id -> bias
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
 
     @field_validator("stop")
@@ -126,7 +133,6 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
 
 class TokenizeRequest(BaseModel):
@@ -156,8 +162,6 @@ def reject_unsupported(req: _SamplingRequest) -> None:
         "best_of": getattr(req, "best_of", None) not in (None, req.n),
         # no tool-call parser: tools only as context for the template, with tool_choice="none"
         "tools": bool(getattr(req, "tools", None)) and getattr(req, "tool_choice", None) != "none",
-        "response_format": (getattr(req, "response_format", None) or {}).get("type", "text")
-        != "text",
     }
     for name, used in unsupported.items():
         if used:
@@ -183,12 +187,14 @@ def sampling_params(
     def pick(value, default):
         return default if value is None else value
 
+    so = structured_outputs(req)
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and getattr(req, "echo", False):
         prompt_logprobs = logprobs  # the echoed prompt carries logprobs like the output (vLLM)
 
     return SamplingParams(
         logit_bias=logit_bias(req.logit_bias),
+        structured_outputs=so,
         n=req.n,
         temperature=pick(req.temperature, 1.0),
         top_p=pick(req.top_p, 1.0),
@@ -222,3 +228,41 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             raise APIError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
         out[token] = min(100.0, max(-100.0, value))
     return out
+
+
+def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever field carries it (one at most)."""
+    found: dict[str, dict] = {}
+    rf = req.response_format
+    kind = (rf or {}).get("type", "text")
+    if kind == "json_object":
+        found["response_format"] = {"json_object": True}
+    elif kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, (dict, str)):
+            raise APIError("response_format: json_schema needs a schema, as "
+                           '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                           param="response_format")
+        found["response_format"] = {"json": schema}
+    elif kind != "text":
+        raise APIError(f"response_format: type {kind!r} is not supported; use text, json_object "
+                       "or json_schema", param="response_format", code="unsupported")
+    if req.structured_outputs:
+        found["structured_outputs"] = req.structured_outputs
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found[f"guided_{name}"] = {name: value}
+    if len(found) > 1:
+        raise APIError(f"give one output constraint, not {sorted(found)}", param=sorted(found)[1])
+    if not found:
+        return None
+    (param, spec), = found.items()
+    fields = StructuredOutputsParams.__dataclass_fields__
+    unknown = sorted(set(spec) - set(fields))
+    if unknown:
+        raise APIError(f"{param}: unknown fields {unknown}; known: {sorted(fields)}", param=param)
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as e:
+        raise APIError(f"{param}: {e}", param=param) from None
