@@ -10,7 +10,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
-from tandem.engine.structured_output import fill_bitmask
+from tandem.engine.structured_output import BitmaskFiller
 from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention
 from tandem.layers.sampler import (
@@ -42,6 +42,7 @@ class ModelRunner:
         self._block_table_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
+        self.fill_bitmask = BitmaskFiller(self.vocab_size, self.pin)
         # whether the last step's sampling read the sequences' output tokens (penalties)
         self.sampling_reads_history = False
 
@@ -211,7 +212,7 @@ class ModelRunner:
         if m.seeded_rows is not None:  # the one per-step input of a seeded row's key
             m.seed_offsets = self._to_device([seqs[r].num_tokens for r in m.seeded_rows_cpu], torch.int64)
         if m.structured_rows is not None:  # computed on the host, copied without waiting
-            mask = fill_bitmask([seqs[r].matcher for r in m.structured_rows_cpu], self.vocab_size, self.pin)
+            mask = self.fill_bitmask([seqs[r].matcher for r in m.structured_rows_cpu])
             m.grammar_bitmask = mask.to(self.device, non_blocking=True)
         # the next step's sampling needs this one's tokens on the host (penalty counts, grammars)
         self.sampling_reads_history = m.output_counts is not None or m.structured_rows is not None

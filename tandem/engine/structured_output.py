@@ -83,10 +83,25 @@ class StructuredOutputManager:
 
 
 
-def fill_bitmask(matchers: list, vocab_size: int, pin: bool) -> torch.Tensor:
-    """[R, ceil(V / 32)] int32 on the host: bit t of row r set where token t may come next."""
-    mask = torch.empty((len(matchers), (vocab_size + 31) // 32), dtype=torch.int32, pin_memory=pin)
-    for row, m in enumerate(matchers):
-        v = mask[row]
-        m.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-    return mask
+class BitmaskFiller:
+    """Fills a step's bitmask: rows in parallel on llguidance's thread pool (made at the first
+    batch with several constrained rows; it belongs to the model runner, not the process)."""
+
+    def __init__(self, vocab_size: int, pin: bool):
+        self.words = (vocab_size + 31) // 32  # int32 words per row
+        self.pin = pin
+        self._executor = None
+
+    def __call__(self, matchers: list) -> torch.Tensor:
+        """[R, ceil(V / 32)] int32 on the host: bit t of row r set where token t may come next."""
+        mask = torch.empty((len(matchers), self.words), dtype=torch.int32, pin_memory=self.pin)
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(mask.data_ptr(), self.words * 4)
+            return mask
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
+                                               mask.data_ptr(), self.words * 4, len(matchers))
+        return mask
