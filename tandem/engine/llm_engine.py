@@ -333,17 +333,21 @@ class LLMEngine:
 
     @staticmethod
     def _record_prompt_logprobs(sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
+        """Append each span's rows to its sequence's prompt logprobs, from the first position not
+        recorded yet (a sequence preempted while this step was in flight recomputes its prompt:
+        its rows may overlap rows recorded meanwhile)."""
         lps, ranks, top_ids, top_lps = sampled.get_prompt_logprobs()
         row = 0
-        for i, count in sampled.prompt_spans:
+        for i, pos, count in sampled.prompt_spans:
             seq = sched.seqs[i]
-            if not seq.is_finished:  # (aborted meanwhile)
-                seq.prompt_lps += lps[row : row + count]
-                seq.prompt_ranks += ranks[row : row + count]
+            skip = len(seq.prompt_lps) - pos
+            if not seq.is_finished and 0 <= skip < count:  # (aborted meanwhile: nothing)
+                a, b = row + skip, row + count
+                seq.prompt_lps += lps[a:b]
+                seq.prompt_ranks += ranks[a:b]
                 if top_ids is not None:
                     k = seq.sampling_params.prompt_logprobs
-                    seq.prompt_tops += [list(zip(ids[:k], lp[:k])) for ids, lp in
-                                        zip(top_ids[row : row + count], top_lps[row : row + count])]
+                    seq.prompt_tops += [list(zip(ids[:k], lp[:k])) for ids, lp in zip(top_ids[a:b], top_lps[a:b])]
             row += count
 
     # -- introspection -------------------------------------------------------------------------------

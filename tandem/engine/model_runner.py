@@ -426,4 +426,4 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[r])
             parts.append(prompt_token_logprobs(logits, targets_dev[a : a + PROMPT_LOGPROB_ROWS], k))
         lps, ranks, top_ids, top_lps = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
-        return PromptLogprobs(lps, ranks, top_ids, top_lps, [(i, count) for i, _, _, count in plp_rows])
+        return PromptLogprobs(lps, ranks, top_ids, top_lps, [(i, pos, count) for i, _, pos, count in plp_rows])

@@ -65,7 +65,8 @@ class PromptLogprobs:
     ranks: torch.Tensor  # [R] int64
     topk_ids: torch.Tensor | None  # [R, k]
     topk_logprobs: torch.Tensor | None  # [R, k]
-    spans: list[tuple[int, int]]  # host: (index of the sequence in the step, its rows), in row order
+    # host, in row order: (index of the sequence in the step, first position, number of rows)
+    spans: list[tuple[int, int, int]]
 
 
 def prompt_token_logprobs(

@@ -75,3 +75,16 @@ def test_n_samples_share_one_set_of_prompt_logprobs(model):
 def test_prompt_logprobs_bounds():
     with pytest.raises(ValueError, match="prompt_logprobs must be an integer"):
         SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_sequences_keep_whole_prompt_logprobs(model, async_scheduling):
+    prompts = [list(range(i, i + 13)) for i in range(0, 60, 10)]
+    # 11 blocks of 4 = 44 tokens: six 43-token sequences never fit at once; chunks of 8
+    tight = LLM(model, block_size=4, num_gpu_blocks_override=11, max_model_len=44,
+                max_num_batched_tokens=8, async_scheduling=async_scheduling)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, prompt_logprobs=1)
+    for out in tight.generate(prompts, params, use_tqdm=False):
+        check(model, out, 1)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert_no_leak(tight)
