@@ -348,6 +348,7 @@ class LLMEngine:
                 if top_ids is not None:
                     k = seq.sampling_params.prompt_logprobs
                     seq.prompt_tops += [list(zip(ids[:k], lp[:k])) for ids, lp in zip(top_ids[a:b], top_lps[a:b])]
+                seq.wants_prompt_logprobs = len(seq.prompt_lps) < seq.num_prompt_tokens - 1
             row += count
 
     # -- introspection -------------------------------------------------------------------------------

@@ -66,7 +66,11 @@ class Sequence:
         self.top_logprobs: list[dict[int, tuple[float, int]]] = []
         # With sampling_params.prompt_logprobs (the request's first sample only): for each prompt
         # position p computed so far, the logprob and rank of prompt token p + 1 given tokens
-        # 0..p, and its top-k alternatives [(token, logprob)].
+        # 0..p, and its top-k alternatives [(token, logprob)]. While they are incomplete the
+        # prefill may not start from the prefix cache (a cached block keeps KV, not logits), as
+        # in vLLM; a plain flag, read for every sequence of every step.
+        self.wants_prompt_logprobs = (sampling_params.prompt_logprobs is not None and index == 0
+                                      and self.num_prompt_tokens > 1)
         self.prompt_lps: list[float] = []
         self.prompt_ranks: list[int] = []
         self.prompt_tops: list[list[tuple[int, float]]] = []
@@ -116,13 +120,6 @@ class Sequence:
     @property
     def in_prompt_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        """Whether prompt logprobs are still to be computed for this sample: its prefill may not
-        start from the prefix cache (a cached block keeps KV, not logits), as in vLLM."""
-        return (self.sampling_params.prompt_logprobs is not None and self.index == 0
-                and len(self.prompt_lps) < self.num_prompt_tokens - 1)
 
     @property
     def has_placeholder(self) -> bool:
