@@ -15,10 +15,14 @@ from tandem.layers.sampler import SamplerOutput
 
 
 class AsyncSamplerOutput:
-    def __init__(self, sampled: SamplerOutput, reads_history: bool = False):
+    def __init__(self, sampled: SamplerOutput, reads_history: bool = False,
+                 advances_grammars: bool = False):
         self.token_ids = sampled.token_ids  # device: the next step gathers its inputs from here
         # the next step's sampling needs this one's ids on the host (penalty counts): read first
         self.reads_history = reads_history
+        # its constrained rows' grammars take this step's tokens before the next step samples
+        self.advances_grammars = advances_grammars
+        self.grammars_advanced = False
         # float64 holds every token id exactly: one copy carries ids and logprobs
         packed = [torch.stack([sampled.token_ids.double(), sampled.logprobs.double()]),
                   sampled.topk_ids, sampled.topk_logprobs, sampled.ranks]

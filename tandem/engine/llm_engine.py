@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -266,12 +267,19 @@ class LLMEngine:
             )
 
     def _launch(self, sched: SchedulerOutput) -> AsyncSamplerOutput | None:
-        """Run the step on the device, its inputs' placeholders read from the in-flight step."""
-        prev = self._in_flight[1].token_ids if self._in_flight is not None else None
-        sampled = self.worker.execute_model(sched, prev)
+        """Run the step on the device, its inputs' placeholders read from the in-flight step.
+        Grammars of the in-flight step's constrained rows take its tokens while this step's
+        forward runs, before this step samples (their masks need them)."""
+        in_flight = self._in_flight
+        prev = in_flight[1].token_ids if in_flight is not None else None
+        advance = None
+        if in_flight is not None and in_flight[1].advances_grammars:
+            advance = functools.partial(self._advance_grammars, *in_flight)
+        sampled = self.worker.execute_model(sched, prev, advance)
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
-        return AsyncSamplerOutput(sampled, self.worker.model_runner.sampling_reads_history)
+        runner = self.worker.model_runner
+        return AsyncSamplerOutput(sampled, runner.sampling_reads_history, runner.sampling_advances_grammars)
 
     def _book(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, t0: float) -> None:
         """The launched step becomes the in-flight one (read back at once without async scheduling)."""
@@ -317,19 +325,32 @@ class LLMEngine:
             self.num_generated_tokens += 1
             stop = outputs.check_stop(state, seq)
             if seq.matcher is not None and stop is None:
-                stop = self._advance_grammar(seq, token_ids[row])
+                if not sampled.grammars_advanced:
+                    self._advance_grammar(seq, token_ids[row])
+                stop = seq.grammar_stop
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
 
+    def _advance_grammars(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
+        """The in-flight step's constrained rows: their grammars take the sampled tokens now (the
+        rest of the step's read-back comes later, in drain)."""
+        token_ids = sampled.get()[0]
+        row = -1
+        for seq, smp in zip(sched.seqs, sched.sampling):
+            if smp:
+                row += 1
+                if seq.matcher is not None and seq.has_placeholder:
+                    self._advance_grammar(seq, token_ids[row])
+        sampled.grammars_advanced = True
+
     @staticmethod
-    def _advance_grammar(seq: Sequence, token_id: int) -> tuple[str, None] | None:
+    def _advance_grammar(seq: Sequence, token_id: int) -> None:
         """The sample's grammar takes its new token; it ends when the grammar is complete and
         can take nothing more (or, should a token break it, at once)."""
         if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
-            return ("stop", None)
-        return None
+            seq.grammar_stop = ("stop", None)
 
     @staticmethod
     def _record_prompt_logprobs(sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:

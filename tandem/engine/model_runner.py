@@ -43,8 +43,10 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.fill_bitmask = BitmaskFiller(self.vocab_size, self.pin)
-        # whether the last step's sampling read the sequences' output tokens (penalties)
+        # whether the last step's sampling read the sequences' output tokens (penalties) or
+        # their grammars
         self.sampling_reads_history = False
+        self.sampling_advances_grammars = False
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
@@ -214,8 +216,10 @@ class ModelRunner:
         if m.structured_rows is not None:  # computed on the host, copied without waiting
             mask = self.fill_bitmask([seqs[r].matcher for r in m.structured_rows_cpu])
             m.grammar_bitmask = mask.to(self.device, non_blocking=True)
-        # the next step's sampling needs this one's tokens on the host (penalty counts, grammars)
-        self.sampling_reads_history = m.output_counts is not None or m.structured_rows is not None
+        # the next step's sampling needs this one's tokens on the host: penalty counts (before the
+        # next step is scheduled), grammars (before it samples)
+        self.sampling_reads_history = m.output_counts is not None
+        self.sampling_advances_grammars = m.structured_rows is not None
         return m
 
     def _build_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
@@ -357,8 +361,11 @@ class ModelRunner:
 
     # -- running -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
-        """Launch the step; returns device tensors without waiting for the device."""
+    def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
+            before_sampling=None) -> SamplerOutput | None:
+        """Launch the step; returns device tensors without waiting for the device.
+        `before_sampling` runs once the forward is launched (the engine advances grammars there,
+        while the device computes the forward)."""
         plp_rows = self._prompt_logprob_rows(sched)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
         graphs = self.graph_runner
@@ -388,6 +395,8 @@ class ModelRunner:
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
                 return SamplerOutput(token_ids=empty, logprobs=empty.float(), prompt_logprobs=prompt_lps)
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+        if before_sampling is not None:
+            before_sampling()
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
         out = self.sampler(logits, self.prepare_sampling(sampling_seqs))
         out.prompt_logprobs = prompt_lps

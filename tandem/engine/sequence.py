@@ -79,6 +79,7 @@ class Sequence:
         self.output_text = ""
         self.generator = None  # torch.Generator for a seeded request, made on first sample
         self.matcher = None  # llguidance LLMatcher with sampling_params.structured_outputs
+        self.grammar_stop: tuple[str, None] | None = None  # set once the grammar is complete
         self.num_placeholders = 0  # tokens sampled by the in-flight step, not read back yet
         self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
         # Limits checked every step, computed once.
