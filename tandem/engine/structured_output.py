@@ -2,10 +2,10 @@
 each step and applied to the logits on the device.
 
 Each constrained sample holds an `LLMatcher` that consumes the sample's tokens as they are read
-back. Before a step, the matchers of the rows it samples fill one pinned int32 bitmask (a bit per
+back. Before a step samples, the matchers of its rows fill one pinned int32 bitmask (a bit per
 token), copied to the device without blocking; the sampler expands it there. The mask needs the
-previous token, so a constrained row's step is launched once that token is back, as for a row
-with penalties (async scheduling reads such rows back first).
+previous token: with async scheduling the grammars take the in-flight step's tokens once the next
+step's forward is launched, so the host's mask work runs while the device computes the forward.
 """
 
 from __future__ import annotations
