@@ -68,6 +68,11 @@ def test_max_tokens_0_scores_without_generating(client, offline, hf):
         sum(ref[p - 1, ids[p]].item() for p in range(1, len(ids))), abs=1e-3)
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0)
+    stream = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, logprobs=0,
+                                       echo=True, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == len(ids)
 
 
 def test_vllm_prompt_logprobs_field(server, offline, hf):
