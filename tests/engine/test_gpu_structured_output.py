@@ -52,10 +52,13 @@ def test_grammar_mask_needs_no_host_sync(smollm2_dir):
 @pytest.mark.gpu
 def test_structured_decode_step_cost_at_batch_256(smollm2_dir):
     """Prints the mean decode-step time of 256 rows free and constrained (a regex that never
-    ends, so both run every step; min_tokens keeps EOS out). The target is <= 1.10x."""
+    ends; EOS biased away in both runs, so both run ~every step to max_tokens). The target is
+    <= 1.10x. (No min_tokens: it would rebuild the sampling tensors every step in both runs.)"""
     llm = LLM(smollm2_dir, max_model_len=512, max_num_seqs=256, gpu_memory_utilization=0.5)
     prompts = [f"Write a word about the number {i}:" for i in range(256)]
-    free = SamplingParams(temperature=1.0, seed=0, max_tokens=96, min_tokens=96, ignore_eos=True)
+    eos = llm.get_tokenizer().eos_token_id
+    free = SamplingParams(temperature=1.0, seed=0, max_tokens=96, ignore_eos=True,
+                          logit_bias={eos: -100.0})
     constrained = free.clone(structured_outputs=StructuredOutputsParams(regex=r"[a-z ]*"))
     result = {}
     for name, params in (("free", free), ("structured", constrained), ("free_again", free)):
@@ -67,8 +70,7 @@ def test_structured_decode_step_cost_at_batch_256(smollm2_dir):
         wall = time.perf_counter() - t0
         steps, seconds = engine.step_stats["decode"]
         result[name] = {"decode_step_ms": 1e3 * seconds / max(steps, 1), "decode_steps": steps,
-                        "wall_s": wall}
-        assert all(len(o.outputs[0].token_ids) == 96 for o in outs)
+                        "wall_s": wall, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
     result["ratio"] = result["structured"]["decode_step_ms"] / result["free"]["decode_step_ms"]
     print(json.dumps(result))
 
