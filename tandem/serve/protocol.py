@@ -156,7 +156,8 @@ class DetokenizeRequest(BaseModel):
 
 
 def reject_unsupported(req: _SamplingRequest) -> None:
-    """Fields we parse but do not implement: an error naming them beats ignoring them."""
+    """Fields we parse but do not implement (an error naming them beats ignoring them), and the
+    combinations vLLM refuses."""
     unsupported = {
         "suffix": getattr(req, "suffix", None) is not None,
         "best_of": getattr(req, "best_of", None) not in (None, req.n),
@@ -225,7 +226,8 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         try:
             token = int(key)
         except ValueError:
-            raise APIError(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+            raise APIError(f"logit_bias: keys must be token ids, got {key!r}",
+                           param="logit_bias") from None
         out[token] = min(100.0, max(-100.0, value))
     return out
 
