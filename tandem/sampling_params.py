@@ -24,7 +24,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: compact separators only, no free whitespace
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k)]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, "
@@ -32,7 +33,8 @@ class StructuredOutputsParams:
             )
         if self.choice is not None and (not self.choice or any(
                 not isinstance(c, str) or not c for c in self.choice)):
-            raise ValueError(f"structured_outputs.choice must be non-empty strings, got {self.choice!r}")
+            raise ValueError(
+                f"structured_outputs.choice must be non-empty strings, got {self.choice!r}")
 
 
 @dataclass
@@ -105,9 +107,12 @@ class SamplingParams:
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             check_bool(name, getattr(self, name))
-        if self.logit_bias is not None and (not isinstance(self.logit_bias, dict) or any(
-                not isinstance(t, int) or t < 0 or not math.isfinite(b) for t, b in self.logit_bias.items())):
-            raise ValueError(f"logit_bias must map token ids >= 0 to finite numbers, got {self.logit_bias!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(
+                    f"logit_bias must map token ids to biases, or be None, got {self.logit_bias!r}")
+            self.logit_bias = {check_int("logit_bias", t, 0): check_float("logit_bias", b)
+                               for t, b in self.logit_bias.items()}
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             raise TypeError("structured_outputs must be a StructuredOutputsParams or None")

@@ -174,7 +174,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids: ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
         if bad_bias:
-            raise ValueError(f"logit_bias: ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
+            raise ValueError(
+                f"logit_bias: ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
         if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
@@ -201,7 +202,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         matchers = [None] * params.n
         if params.structured_outputs is not None:
-            matchers = [self.structured_outputs.matcher(params.structured_outputs) for _ in range(params.n)]
+            so = params.structured_outputs
+            matchers = [self.structured_outputs.matcher(so) for _ in range(params.n)]
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
         for i in range(params.n):
@@ -279,7 +281,8 @@ class LLMEngine:
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
         runner = self.worker.model_runner
-        return AsyncSamplerOutput(sampled, runner.sampling_reads_history, runner.sampling_advances_grammars)
+        return AsyncSamplerOutput(sampled, runner.sampling_reads_history,
+                                  runner.sampling_advances_grammars)
 
     def _book(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, t0: float) -> None:
         """The launched step becomes the in-flight one (read back at once without async scheduling)."""
@@ -368,7 +371,8 @@ class LLMEngine:
                 seq.prompt_ranks += ranks[a:b]
                 if top_ids is not None:
                     k = seq.sampling_params.prompt_logprobs
-                    seq.prompt_tops += [list(zip(ids[:k], lp[:k])) for ids, lp in zip(top_ids[a:b], top_lps[a:b])]
+                    seq.prompt_tops += [list(zip(ids[:k], lp[:k]))
+                                        for ids, lp in zip(top_ids[a:b], top_lps[a:b])]
                 seq.wants_prompt_logprobs = len(seq.prompt_lps) < seq.num_prompt_tokens - 1
             row += count
 

@@ -265,9 +265,11 @@ class ModelRunner:
             m.min_tokens_mask = (self._to_device(rows, torch.int64), self._to_device(cols, torch.int64))
         structured = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if structured:
-            m.structured_rows, m.structured_rows_cpu = self._to_device(structured, torch.int64), structured
+            m.structured_rows = self._to_device(structured, torch.int64)
+            m.structured_rows_cpu = structured
         if any(p.logit_bias for p in params):
-            biased = [(row, t, b) for row, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+            biased = [(row, t, b) for row, p in enumerate(params)
+                      for t, b in (p.logit_bias or {}).items()]
             r, c, b = zip(*biased)
             m.logit_bias = (self._to_device(r, torch.int64), self._to_device(c, torch.int64),
                             self._to_device(b, torch.float32))
@@ -374,7 +376,8 @@ class ModelRunner:
         if sample_rows and len(sample_rows) < num_tokens:  # prefill chunks that end mid-prompt
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         prompt_lps = None
-        decode_graph = graphs is not None and graphs.can_run(num_seqs) and not plp_rows  # (no hidden)
+        # (the decode graphs give logits, not the hidden states prompt logprobs need)
+        decode_graph = graphs is not None and graphs.can_run(num_seqs) and not plp_rows
         if meta.decode_only and sample_rows and decode_graph:
             # (a decode-shaped step may hold a 1-token chunk of a longer prompt: no row to sample)
             logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
@@ -393,7 +396,8 @@ class ModelRunner:
                 if prompt_lps is None:
                     return None
                 empty = torch.empty(0, dtype=torch.int64, device=self.device)
-                return SamplerOutput(token_ids=empty, logprobs=empty.float(), prompt_logprobs=prompt_lps)
+                return SamplerOutput(token_ids=empty, logprobs=empty.float(),
+                                     prompt_logprobs=prompt_lps)
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
         if before_sampling is not None:
             before_sampling()
@@ -435,4 +439,5 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[r])
             parts.append(prompt_token_logprobs(logits, targets_dev[a : a + PROMPT_LOGPROB_ROWS], k))
         lps, ranks, top_ids, top_lps = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
-        return PromptLogprobs(lps, ranks, top_ids, top_lps, [(i, pos, count) for i, _, pos, count in plp_rows])
+        spans = [(i, pos, count) for i, _, pos, count in plp_rows]
+        return PromptLogprobs(lps, ranks, top_ids, top_lps, spans)

@@ -110,7 +110,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choices.append(choice)
-        num_generated = 0 if req.echo_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
+        num_generated = 0 if req.echo_only else sum(
+            len(c.token_ids) for out in finals for c in out.outputs)
         num_prompt = sum(len(out.prompt_token_ids) for out in finals)
         num_cached = sum(out.num_cached_tokens for out in finals)
         return {
@@ -129,7 +130,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = 0
         offsets: dict[int, int] = {}  # choice -> characters sent so far (logprobs' text_offset)
         done: set[int] = set()
-        prompt_lps: dict[int, list | None] = {}  # prompt -> its logprobs (the first output has them)
+        prompt_lps: dict[int, list | None] = {}  # prompt -> its logprobs (in its first output)
         cached: dict[int, int] = {}
         async for i, out in stream:
             if i not in prompt_lps:

@@ -33,7 +33,8 @@ class OpenAIServingTokenization:
         if req.messages is not None:
             ids = (await self.chat._render(req))["prompt_token_ids"]
         else:
-            ids = await self.chat.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
+            ids = await self.chat.encode(req.prompt, "prompt",
+                                         add_special_tokens=req.add_special_tokens)
         return {
             "count": len(ids),
             "max_model_len": self.llm.max_model_len,
@@ -46,7 +47,8 @@ class OpenAIServingTokenization:
         vocab = self.llm.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+            raise APIError(f"tokens: {bad[:5]} are outside the vocabulary [0, {vocab})",
+                           param="tokens")
         return {"prompt": await self.llm.run_tokenizer(tok.decode, req.tokens)}
 
     def info(self) -> dict:
