@@ -3,7 +3,8 @@
 from tandem.config import EngineConfig
 from tandem.engine.llm import LLM
 from tandem.outputs import CompletionOutput, Logprob, RequestOutput
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "EngineConfig"]
 __version__ = "0.1.0"

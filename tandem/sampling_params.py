@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandem.checks import check_bool, check_float, check_int
@@ -11,11 +12,38 @@ _MAX_LOGPROBS = 2**20  # the engine's own limit (20) is checked where it is know
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's names): exactly one of a JSON schema, any JSON object,
+    a regex, one of a list of strings, or a Lark grammar."""
+
+    json: dict | str | None = None  # a JSON schema (a dict or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark syntax (llguidance's)
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON: compact separators only, no free whitespace
+
+    def __post_init__(self) -> None:
+        kinds = ("json", "regex", "choice", "grammar", "json_object")
+        given = [k for k in kinds if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.choice is not None and (not self.choice or any(
+                not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(
+                f"structured_outputs.choice must be non-empty strings, got {self.choice!r}")
+
+
+@dataclass
 class SamplingParams:
     """Sampling settings for one request; validated on construction.
 
     temperature 0 means greedy. `logprobs=k` returns, at each position, the log-probability of the
-    sampled token and of the k most likely tokens (vLLM's convention).
+    sampled token and of the k most likely tokens (vLLM's convention); `prompt_logprobs=k` does the
+    same for every prompt token after the first, from the raw (unprocessed) logits.
     """
 
     n: int = 1
@@ -37,6 +65,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (a grammar)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -68,10 +98,8 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         self.seed = check_int("seed", self.seed, 0, 2**63 - 2**16 - 1, optional=True)
         self.logprobs = check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS, optional=True)
-        if self.prompt_logprobs is not None:
-            raise ValueError(
-                f"prompt_logprobs is not implemented; leave it None, got {self.prompt_logprobs!r}"
-            )
+        self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, 0, _MAX_LOGPROBS,
+                                         optional=True)
         self.repetition_penalty = check_float(
             "repetition_penalty", self.repetition_penalty, 0.0, 1e6, lo_open=True
         )
@@ -79,6 +107,15 @@ class SamplingParams:
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             check_bool(name, getattr(self, name))
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError(
+                    f"logit_bias must map token ids to biases, or be None, got {self.logit_bias!r}")
+            self.logit_bias = {check_int("logit_bias", t, 0): check_float("logit_bias", b)
+                               for t, b in self.logit_bias.items()}
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -88,7 +88,10 @@ SAMPLING = {
     "ignore_eos": _bool(),
     "seed": _int(0, 2**63 - 2**16 - 1, optional=True),
     "logprobs": _int(0, 2**20, optional=True),
-    "prompt_logprobs": lambda v: v is None,  # not implemented: refused
+    "prompt_logprobs": _int(0, 2**20, optional=True),  # (the engine's limit, 20, is its own)
+    "logit_bias": lambda v: v is None or (isinstance(v, dict) and all(
+        _int(0)(t) and _float()(b) for t, b in v.items())),
+    "structured_outputs": lambda v: v is None,  # or a StructuredOutputsParams: never drawn
     "repetition_penalty": _float(0.0, 1e6, lo_open=True),
     "presence_penalty": _float(-2.0, 2.0),
     "frequency_penalty": _float(-2.0, 2.0),

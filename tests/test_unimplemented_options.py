@@ -2,14 +2,7 @@
 
 import pytest
 
-from tandem import SamplingParams
 from tandem.config import EngineConfig
-
-
-def test_prompt_logprobs_is_refused():
-    with pytest.raises(ValueError, match="prompt_logprobs is not implemented"):
-        SamplingParams(prompt_logprobs=1)
-    assert SamplingParams().prompt_logprobs is None
 
 
 def test_max_seq_len_to_capture_is_gone():

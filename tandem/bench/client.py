@@ -1,7 +1,9 @@
 """Async streaming OpenAI client (aiohttp) that timestamps every streamed chunk of every request.
 
 Speaks the format vLLM serves: `data: {json}\\n\\n` events, `data: [DONE]` at the end, usage in a
-final chunk with empty `choices` when `stream_options.include_usage` is set.
+final chunk with empty `choices` when `stream_options.include_usage` is set. A stream that ends
+without `[DONE]` after its choice finished (`transformers serve`) is complete too, as the openai
+SDK and vLLM's benchmark client take it.
 """
 
 from __future__ import annotations
@@ -65,16 +67,34 @@ def raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
+def list_models(target: TargetConfig, timeout_s: float = 30.0) -> list[dict]:
+    """The model cards of /v1/models."""
+    req = urllib.request.Request(target.base_url + "/v1/models", headers=target.headers())
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.load(resp).get("data") or []
+
+
 def resolve_model(target: TargetConfig, timeout_s: float = 30.0) -> str:
     """The model to ask for: the configured one, else the first listed at /v1/models."""
     if target.model:
         return target.model
-    req = urllib.request.Request(target.base_url + "/v1/models", headers=target.headers())
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        models = json.load(resp).get("data") or []
+    models = list_models(target, timeout_s)
     if not models:
         raise RuntimeError(f"{target.base_url}/v1/models lists no models; pass --model")
     return models[0]["id"]
+
+
+def max_model_len(target: TargetConfig, model: str) -> int | None:
+    """The context length /v1/models gives for `model` (vLLM's and tandem's `max_model_len`
+    field), or None where the server does not say."""
+    try:
+        models = list_models(target)
+    except (OSError, ValueError):
+        return None
+    for card in models:
+        if card.get("id") == model and isinstance(card.get("max_model_len"), int):
+            return card["max_model_len"]
+    return None
 
 
 def build_payload(spec: RequestSpec, target: TargetConfig, model: str) -> bytes:
@@ -128,6 +148,8 @@ def consume_event(rec: RequestRecord, event: bytes, now: float, chat: bool) -> b
         choices = obj.get("choices")
         if choices and _is_token(choices[0], chat):
             rec.token_times.append(now)
+        if choices and any(c.get("finish_reason") for c in choices):
+            rec.finished = True
         usage = obj.get("usage")
         if usage:
             rec.usage_prompt_tokens = usage.get("prompt_tokens", rec.usage_prompt_tokens)
@@ -162,8 +184,8 @@ async def stream_one(
         rec.error = f"{type(e).__name__}: {e}"[:200] or type(e).__name__
     finally:
         rec.t_end = time.perf_counter()
-    if not rec.error and not done:
-        rec.error = "stream ended without [DONE]"
+    if not rec.error and not done and not rec.finished:
+        rec.error = "stream ended without [DONE] or a finish_reason"
     if not rec.error and not rec.token_times:
         rec.error = "no tokens streamed"
     rec.ok = not rec.error

@@ -29,6 +29,7 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # one per streamed token chunk
     t_end: float = 0.0  # stream closed or failure seen
     ok: bool = False
+    finished: bool = False  # a streamed choice carried a finish_reason
     error: str = ""
     usage_prompt_tokens: int | None = None
     usage_completion_tokens: int | None = None
@@ -128,13 +129,19 @@ def inflight_timeline(records: list[RequestRecord]) -> list[tuple[float, int]]:
 
 
 def peak_output_rate(records: list[RequestRecord], bin_s: float = 1.0) -> float:
-    """Most streamed chunks in any `bin_s` window, per second (vLLM's peak output tok/s)."""
-    times = [t for r in records if r.ok for t in r.token_times]
-    if not times:
+    """Most output tokens in any `bin_s` window, per second (vLLM's peak output tok/s). A chunk
+    may carry several tokens (a server's stream interval): each request's tokens (its usage) are
+    spread evenly over its chunks, so the peak is in tokens, comparable with the mean."""
+    ok = [r for r in records if r.ok and r.token_times]
+    if not ok:
         return 0.0
-    t0 = min(times)
-    counts = Counter(int((t - t0) // bin_s) for t in times)
-    return max(counts.values()) / bin_s
+    t0 = min(r.token_times[0] for r in ok)
+    tokens: Counter[int] = Counter()
+    for r in ok:
+        per_chunk = r.output_tokens / len(r.token_times)
+        for t in r.token_times:
+            tokens[int((t - t0) // bin_s)] += per_chunk
+    return max(tokens.values()) / bin_s
 
 
 def summarize(records: list[RequestRecord], t0: float, slo: dict[str, float] | None = None) -> dict:

@@ -17,7 +17,13 @@ import traceback
 from dataclasses import dataclass, field, replace
 
 from tandem.bench import report as rp
-from tandem.bench.client import TargetConfig, build_payload, resolve_model, run_requests
+from tandem.bench.client import (
+    TargetConfig,
+    build_payload,
+    max_model_len,
+    resolve_model,
+    run_requests,
+)
 from tandem.bench.datasets import DatasetConfig, RequestSpec, load_requests
 from tandem.bench.gpu_monitor import GpuMonitor
 from tandem.bench.load import LoadConfig, arrival_offsets, split_concurrency, split_for_workers
@@ -70,6 +76,7 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     specs = load_requests(cfg.dataset)
     model = resolve_model(cfg.target)
     cfg = replace(cfg, target=replace(cfg.target, model=model))
+    check_context(specs, max_model_len(cfg.target, model), cfg.target.base_url)
     bodies = [build_payload(s, cfg.target, model) for s in specs]
     warmup(cfg, specs)
     records = [RequestRecord(i, s.prompt_len, s.output_len) for i, s in enumerate(specs)]
@@ -119,7 +126,32 @@ def warmup(cfg: ServeConfig, specs: list[RequestSpec]) -> None:
     sent, _ = asyncio.run(run_requests(cfg.target, picks, recs, [0.0] * len(picks)))
     if not any(r.ok for r in sent):
         url = cfg.target.base_url + cfg.target.endpoint
-        raise RuntimeError(f"warm-up request to {url} failed: {sent[0].error}")
+        error = sent[0].error
+        hint = ""
+        if (cfg.target.ignore_eos and error.startswith("HTTP 4")
+                and ("ignore_eos" in error or "min_tokens" in error)):
+            hint = "; the server refuses ignore_eos/min_tokens: rerun with --no-ignore-eos"
+        raise RuntimeError(f"warm-up request to {url} failed: {error}{hint}")
+
+
+def check_context(specs: list[RequestSpec], model_len: int | None, base_url: str) -> None:
+    """Before sending anything: every request must fit the server's context (prompt + output
+    <= max_model_len), else say which do not and what would fit. Approximate prompt lengths
+    (no tokenizer) get 10% slack."""
+    if model_len is None:
+        return
+    def need(s: RequestSpec) -> float:
+        return (s.prompt_len / 1.1 if s.approx_len else s.prompt_len) + s.output_len
+
+    too_long = [s for s in specs if need(s) > model_len]
+    if too_long:
+        worst = max(too_long, key=need)
+        raise RuntimeError(
+            f"{len(too_long)} of {len(specs)} requests do not fit {base_url}'s max_model_len "
+            f"({model_len}): the longest has a {worst.prompt_len}-token prompt and "
+            f"{worst.output_len} output tokens; lower --input-len/--output-len so that their sum "
+            f"is at most {model_len}"
+        )
 
 
 def _run_in_process(cfg, bodies, records, offsets, tick):

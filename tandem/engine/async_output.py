@@ -15,13 +15,21 @@ from tandem.layers.sampler import SamplerOutput
 
 
 class AsyncSamplerOutput:
-    def __init__(self, sampled: SamplerOutput, reads_history: bool = False):
+    def __init__(self, sampled: SamplerOutput, reads_history: bool = False,
+                 advances_grammars: bool = False):
         self.token_ids = sampled.token_ids  # device: the next step gathers its inputs from here
         # the next step's sampling needs this one's ids on the host (penalty counts): read first
         self.reads_history = reads_history
+        # its constrained rows' grammars take this step's tokens before the next step samples
+        self.advances_grammars = advances_grammars
+        self.grammars_advanced = False
         # float64 holds every token id exactly: one copy carries ids and logprobs
         packed = [torch.stack([sampled.token_ids.double(), sampled.logprobs.double()]),
                   sampled.topk_ids, sampled.topk_logprobs, sampled.ranks]
+        plp = sampled.prompt_logprobs
+        if plp is not None:
+            packed += [plp.logprobs, plp.ranks, plp.topk_ids, plp.topk_logprobs]
+        self.prompt_spans = plp.spans if plp is not None else []
         self._event = None
         if sampled.token_ids.is_cuda:
             self._host = [None if t is None else _to_pinned(t) for t in packed]
@@ -39,10 +47,17 @@ class AsyncSamplerOutput:
                 t0 = time.perf_counter()
                 self._event.synchronize()
                 self.wait_s = time.perf_counter() - t0
-            ids_lps, topk_ids, topk_lps, ranks = (None if t is None else t.tolist() for t in self._host)
+            lists = [None if t is None else t.tolist() for t in self._host]
+            ids_lps, topk_ids, topk_lps, ranks = lists[:4]
             token_ids = [int(t) for t in ids_lps[0]]
             self._lists = (token_ids, ids_lps[1], topk_ids, topk_lps, ranks)
+            self._prompt_lists = lists[4:]
         return self._lists
+
+    def get_prompt_logprobs(self) -> tuple[list[float], list[int], list | None, list | None]:
+        """(logprobs, ranks, top-k ids, top-k logprobs) of the step's prompt rows, after `get()`;
+        `prompt_spans` says which sequence each run of rows belongs to."""
+        return tuple(self._prompt_lists)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

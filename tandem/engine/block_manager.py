@@ -57,9 +57,10 @@ class BlockManager:
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Blocks of the prefix cache that hold the longest cached prefix of `seq`.
 
-        At least the last token is left to compute, so the step that runs it yields logits.
+        At least the last token is left to compute, so the step that runs it yields logits. None
+        for a sequence that still needs its prompt logprobs: every prompt token must run.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
             return []
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):

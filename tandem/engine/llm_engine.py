@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -14,6 +15,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.structured_output import StructuredOutputManager, check_grammar
 from tandem.engine.worker import Worker
 from tandem.weights.check import TensorSpec, specs_of
 from tandem.models.loader import ModelSource, resolve_model
@@ -54,6 +56,7 @@ class LLMEngine:
         self._drained: list[RequestOutput] = []
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+        self._structured: StructuredOutputManager | None = None  # made at the first constraint
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
@@ -169,8 +172,16 @@ class LLMEngine:
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise ValueError(f"stop_token_ids: ids {bad_stop[:5]} are outside the vocabulary [0, {vocab})")
+        bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise ValueError(
+                f"logit_bias: ids {bad_bias[:5]} are outside the vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > 20:
             raise ValueError(f"logprobs must be <= 20, got {params.logprobs}")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > 20:
+            raise ValueError(f"prompt_logprobs must be <= 20, got {params.prompt_logprobs}")
+        if params.structured_outputs is not None:
+            check_grammar(params.structured_outputs)
 
     def add_request(
         self,
@@ -189,16 +200,28 @@ class LLMEngine:
             request_id = str(next(self._request_counter))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        matchers = [None] * params.n
+        if params.structured_outputs is not None:
+            so = params.structured_outputs
+            matchers = [self.structured_outputs.matcher(so) for _ in range(params.n)]
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
         for i in range(params.n):
             seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, self.eos_token_ids)
+            seq.matcher = matchers[i]
             leader = leader or seq
             state.seqs.append(seq)
         self.output_processor.add_request(state)
         for seq in state.seqs:
             self.scheduler.add(seq)
         return request_id
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        if self._structured is None:
+            self._structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
+                                                       self.eos_token_ids)
+        return self._structured
 
     def abort_request(self, request_id: str | list[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else request_id
@@ -246,12 +269,20 @@ class LLMEngine:
             )
 
     def _launch(self, sched: SchedulerOutput) -> AsyncSamplerOutput | None:
-        """Run the step on the device, its inputs' placeholders read from the in-flight step."""
-        prev = self._in_flight[1].token_ids if self._in_flight is not None else None
-        sampled = self.worker.execute_model(sched, prev)
+        """Run the step on the device, its inputs' placeholders read from the in-flight step.
+        Grammars of the in-flight step's constrained rows take its tokens while this step's
+        forward runs, before this step samples (their masks need them)."""
+        in_flight = self._in_flight
+        prev = in_flight[1].token_ids if in_flight is not None else None
+        advance = None
+        if in_flight is not None and in_flight[1].advances_grammars:
+            advance = functools.partial(self._advance_grammars, *in_flight)
+        sampled = self.worker.execute_model(sched, prev, advance)
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
-        return AsyncSamplerOutput(sampled, self.worker.model_runner.sampling_reads_history)
+        runner = self.worker.model_runner
+        return AsyncSamplerOutput(sampled, runner.sampling_reads_history,
+                                  runner.sampling_advances_grammars)
 
     def _book(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput | None, t0: float) -> None:
         """The launched step becomes the in-flight one (read back at once without async scheduling)."""
@@ -280,6 +311,8 @@ class LLMEngine:
         """Take the step's sampled tokens into their sequences; finish the ones that stopped."""
         token_ids, logprobs, topk_ids, topk_lps, ranks = sampled.get()
         self.device_wait_s += sampled.wait_s
+        if sampled.prompt_spans:
+            self._record_prompt_logprobs(sched, sampled)
         outputs = self.output_processor
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
@@ -294,10 +327,54 @@ class LLMEngine:
             state = self.requests[seq.request_id]
             self.num_generated_tokens += 1
             stop = outputs.check_stop(state, seq)
+            if seq.matcher is not None and stop is None:
+                if not sampled.grammars_advanced:
+                    self._advance_grammar(seq, token_ids[row])
+                stop = seq.grammar_stop
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
+
+    def _advance_grammars(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
+        """The in-flight step's constrained rows: their grammars take the sampled tokens now (the
+        rest of the step's read-back comes later, in drain)."""
+        token_ids = sampled.get()[0]
+        row = -1
+        for seq, smp in zip(sched.seqs, sched.sampling):
+            if smp:
+                row += 1
+                if seq.matcher is not None and seq.has_placeholder:
+                    self._advance_grammar(seq, token_ids[row])
+        sampled.grammars_advanced = True
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token_id: int) -> None:
+        """The sample's grammar takes its new token; it ends when the grammar is complete and
+        can take nothing more (or, should a token break it, at once)."""
+        if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
+            seq.grammar_stop = ("stop", None)
+
+    @staticmethod
+    def _record_prompt_logprobs(sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
+        """Append each span's rows to its sequence's prompt logprobs, from the first position not
+        recorded yet (a sequence preempted while this step was in flight recomputes its prompt:
+        its rows may overlap rows recorded meanwhile)."""
+        lps, ranks, top_ids, top_lps = sampled.get_prompt_logprobs()
+        row = 0
+        for i, pos, count in sampled.prompt_spans:
+            seq = sched.seqs[i]
+            skip = len(seq.prompt_lps) - pos
+            if not seq.is_finished and 0 <= skip < count:  # (aborted meanwhile: nothing)
+                a, b = row + skip, row + count
+                seq.prompt_lps += lps[a:b]
+                seq.prompt_ranks += ranks[a:b]
+                if top_ids is not None:
+                    k = seq.sampling_params.prompt_logprobs
+                    seq.prompt_tops += [list(zip(ids[:k], lp[:k]))
+                                        for ids, lp in zip(top_ids[a:b], top_lps[a:b])]
+                seq.wants_prompt_logprobs = len(seq.prompt_lps) < seq.num_prompt_tokens - 1
+            row += count
 
     # -- introspection -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:

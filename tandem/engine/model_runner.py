@@ -10,9 +10,18 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.structured_output import BitmaskFiller
 from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention
-from tandem.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from tandem.layers.sampler import (
+    PromptLogprobs,
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    prompt_token_logprobs,
+)
+
+PROMPT_LOGPROB_ROWS = 1024  # logits rows materialised at once for prompt logprobs ([rows, V] fp32)
 
 
 class ModelRunner:
@@ -33,8 +42,11 @@ class ModelRunner:
         self._block_table_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
-        # whether the last step's sampling read the sequences' output tokens (penalties)
+        self.fill_bitmask = BitmaskFiller(self.vocab_size, self.pin)
+        # whether the last step's sampling read the sequences' output tokens (penalties) or
+        # their grammars
         self.sampling_reads_history = False
+        self.sampling_advances_grammars = False
 
     # -- KV cache --------------------------------------------------------------------------------
     def kv_cache_block_bytes(self) -> int:
@@ -201,7 +213,13 @@ class ModelRunner:
             self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
         if m.seeded_rows is not None:  # the one per-step input of a seeded row's key
             m.seed_offsets = self._to_device([seqs[r].num_tokens for r in m.seeded_rows_cpu], torch.int64)
+        if m.structured_rows is not None:  # computed on the host, copied without waiting
+            mask = self.fill_bitmask([seqs[r].matcher for r in m.structured_rows_cpu])
+            m.grammar_bitmask = mask.to(self.device, non_blocking=True)
+        # the next step's sampling needs this one's tokens on the host: penalty counts (before the
+        # next step is scheduled), grammars (before it samples)
         self.sampling_reads_history = m.output_counts is not None
+        self.sampling_advances_grammars = m.structured_rows is not None
         return m
 
     def _build_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
@@ -245,6 +263,16 @@ class ModelRunner:
                 cols.extend(banned)
         if rows:
             m.min_tokens_mask = (self._to_device(rows, torch.int64), self._to_device(cols, torch.int64))
+        structured = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if structured:
+            m.structured_rows = self._to_device(structured, torch.int64)
+            m.structured_rows_cpu = structured
+        if any(p.logit_bias for p in params):
+            biased = [(row, t, b) for row, p in enumerate(params)
+                      for t, b in (p.logit_bias or {}).items()]
+            r, c, b = zip(*biased)
+            m.logit_bias = (self._to_device(r, torch.int64), self._to_device(c, torch.int64),
+                            self._to_device(b, torch.float32))
         if any(p.has_penalties for p in params):
             S = len(seqs)
             prompt_mask = torch.zeros(S, V + 1, dtype=torch.bool)
@@ -335,15 +363,22 @@ class ModelRunner:
 
     # -- running -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None) -> SamplerOutput | None:
-        """Launch the step; returns device tensors without waiting for the device."""
+    def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
+            before_sampling=None) -> SamplerOutput | None:
+        """Launch the step; returns device tensors without waiting for the device.
+        `before_sampling` runs once the forward is launched (the engine advances grammars there,
+        while the device computes the forward)."""
+        plp_rows = self._prompt_logprob_rows(sched)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
         graphs = self.graph_runner
         num_tokens, num_seqs = input_ids.shape[0], len(sched.seqs)
         rows = None
         if sample_rows and len(sample_rows) < num_tokens:  # prefill chunks that end mid-prompt
             rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        if meta.decode_only and sample_rows and graphs is not None and graphs.can_run(num_seqs):
+        prompt_lps = None
+        # (the decode graphs give logits, not the hidden states prompt logprobs need)
+        decode_graph = graphs is not None and graphs.can_run(num_seqs) and not plp_rows
+        if meta.decode_only and sample_rows and decode_graph:
             # (a decode-shaped step may hold a 1-token chunk of a longer prompt: no row to sample)
             logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
             if rows is not None:
@@ -355,8 +390,54 @@ class ModelRunner:
             else:
                 with set_attention_metadata(meta):
                     hidden = self.model(input_ids, positions)
+            if plp_rows:
+                prompt_lps = self._prompt_logprobs(hidden, sched, plp_rows)
             if not sample_rows:
-                return None
+                if prompt_lps is None:
+                    return None
+                empty = torch.empty(0, dtype=torch.int64, device=self.device)
+                return SamplerOutput(token_ids=empty, logprobs=empty.float(),
+                                     prompt_logprobs=prompt_lps)
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
+        if before_sampling is not None:
+            before_sampling()
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
-        return self.sampler(logits, self.prepare_sampling(sampling_seqs))
+        out = self.sampler(logits, self.prepare_sampling(sampling_seqs))
+        out.prompt_logprobs = prompt_lps
+        return out
+
+    @staticmethod
+    def _prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[int, int, int, int]]:
+        """(index in the step, flat row of the first predicting position, first position, count)
+        for each chunk whose positions predict prompt tokens that still need logprobs. Position p
+        predicts token p + 1; the last prompt position predicts the first output token instead."""
+        out = []
+        flat = 0
+        for i, (seq, n) in enumerate(zip(sched.seqs, sched.num_new_tokens)):
+            if seq.wants_prompt_logprobs:
+                start = seq.num_computed_tokens
+                lo = max(start, len(seq.prompt_lps))  # (a recomputed chunk after preemption)
+                hi = min(start + n, seq.num_prompt_tokens - 1)
+                if lo < hi:
+                    out.append((i, flat + lo - start, lo, hi - lo))
+            flat += n
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, sched: SchedulerOutput,
+                         plp_rows: list[tuple[int, int, int, int]]) -> PromptLogprobs:
+        """Prompt logprobs of this step's chunks, PROMPT_LOGPROB_ROWS logits rows at a time."""
+        rows, targets = [], []
+        for i, row, pos, count in plp_rows:
+            rows.extend(range(row, row + count))
+            targets.extend(sched.seqs[i].token_ids[pos + 1 : pos + 1 + count])
+        k = max(sched.seqs[i].sampling_params.prompt_logprobs for i, *_ in plp_rows)
+        rows_dev = self._to_device(rows, torch.int64)
+        targets_dev = self._to_device(targets, torch.int64)
+        parts = []
+        for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            r = rows_dev[a : a + PROMPT_LOGPROB_ROWS]
+            logits = self.model.compute_logits(hidden[r])
+            parts.append(prompt_token_logprobs(logits, targets_dev[a : a + PROMPT_LOGPROB_ROWS], k))
+        lps, ranks, top_ids, top_lps = (None if p[0] is None else torch.cat(p) for p in zip(*parts))
+        spans = [(i, pos, count) for i, _, pos, count in plp_rows]
+        return PromptLogprobs(lps, ranks, top_ids, top_lps, spans)

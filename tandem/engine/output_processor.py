@@ -29,6 +29,7 @@ class RequestState:
     detokenizers: list[IncrementalDetokenizer] | None = None
     sent_tokens: list[int] = field(default_factory=list)  # per sample, for delta outputs
     sent_chars: list[int] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False  # delta outputs carry them once, in the first
 
     @property
     def finished(self) -> bool:
@@ -130,12 +131,18 @@ class OutputProcessor:
             state.sent_chars[i] = len(text)
         if finished:
             self.requests.pop(state.request_id, None)
+        prompt_logprobs = None
+        if state.params.prompt_logprobs is not None and not (state.output_kind == "delta"
+                                                             and state.sent_prompt_logprobs):
+            prompt_logprobs = self._prompt_logprobs(state.seqs[0])
+            state.sent_prompt_logprobs = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=outputs,
             finished=finished,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.seqs[0].num_cached_tokens,
             metrics={"arrival_time": state.seqs[0].arrival_time,
                      "first_token_time": min((s.first_token_time for s in state.seqs if s.first_token_time),
@@ -174,6 +181,22 @@ class OutputProcessor:
                 for t_k, (lp_k, rank_k) in tops[i].items():
                     if t_k not in entry:
                         entry[t_k] = Logprob(lp_k, rank_k, text(t_k))
+            out.append(entry)
+        return out
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[dict[int, Logprob] | None]:
+        """vLLM's shape: None for the first prompt token (nothing predicts it), then per token a
+        dict holding it and the top-k alternatives."""
+        text = self._token_text
+        out: list[dict[int, Logprob] | None] = [None]
+        ids = seq.token_ids
+        for p, (lp, rank) in enumerate(zip(seq.prompt_lps, seq.prompt_ranks)):
+            t = ids[p + 1]
+            entry = {t: Logprob(lp, rank, text(t))}
+            if seq.prompt_tops:
+                for r, (t_k, lp_k) in enumerate(seq.prompt_tops[p]):
+                    if t_k not in entry:
+                        entry[t_k] = Logprob(lp_k, r + 1, text(t_k))
             out.append(entry)
         return out
 

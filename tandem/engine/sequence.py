@@ -64,10 +64,22 @@ class Sequence:
         # hot loop allocates nothing the cyclic collector has to walk.
         self.output_ranks: list[int] = []
         self.top_logprobs: list[dict[int, tuple[float, int]]] = []
+        # With sampling_params.prompt_logprobs (the request's first sample only): for each prompt
+        # position p computed so far, the logprob and rank of prompt token p + 1 given tokens
+        # 0..p, and its top-k alternatives [(token, logprob)]. While they are incomplete the
+        # prefill may not start from the prefix cache (a cached block keeps KV, not logits), as
+        # in vLLM; a plain flag, read for every sequence of every step.
+        self.wants_prompt_logprobs = (sampling_params.prompt_logprobs is not None and index == 0
+                                      and self.num_prompt_tokens > 1)
+        self.prompt_lps: list[float] = []
+        self.prompt_ranks: list[int] = []
+        self.prompt_tops: list[list[tuple[int, float]]] = []
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.output_text = ""
         self.generator = None  # torch.Generator for a seeded request, made on first sample
+        self.matcher = None  # llguidance LLMatcher with sampling_params.structured_outputs
+        self.grammar_stop: tuple[str, None] | None = None  # set once the grammar is complete
         self.num_placeholders = 0  # tokens sampled by the in-flight step, not read back yet
         self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
         # Limits checked every step, computed once.

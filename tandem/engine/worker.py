@@ -82,9 +82,11 @@ class Worker:
         return self.model_runner.graph_runner is not None
 
     # -- running ---------------------------------------------------------------------------------
-    def execute_model(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None) -> SamplerOutput | None:
-        """Launch one step on the device; returns its sampled tokens as device tensors."""
-        return self.model_runner.run(sched, prev_token_ids)
+    def execute_model(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None,
+                      before_sampling: Callable[[], None] | None = None) -> SamplerOutput | None:
+        """Launch one step on the device; returns its sampled tokens as device tensors.
+        `before_sampling` runs on the host once the forward is launched, before sampling."""
+        return self.model_runner.run(sched, prev_token_ids, before_sampling)
 
     def check_awake(self) -> None:
         if self.sleep_level:

@@ -28,6 +28,12 @@ class SamplingMetadata:
     processed_logprobs: bool
     # (rows, token ids) whose logits are -inf: EOS and stop tokens before min_tokens
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (rows, token ids, biases) added to the logits first (the requests' logit_bias)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # structured outputs: the constrained rows, and each step their grammars' allowed tokens
+    structured_rows: torch.Tensor | None = None  # [R] int64
+    structured_rows_cpu: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, a bit per token
     # penalties (None when no row has any)
     prompt_mask: torch.Tensor | None = None  # [S, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [S, V] counts in the output so far
@@ -48,6 +54,32 @@ class SamplerOutput:
     topk_ids: torch.Tensor | None = None  # [S, k]
     topk_logprobs: torch.Tensor | None = None  # [S, k]
     ranks: torch.Tensor | None = None  # [S] rank of the sampled token (1 = most likely)
+    prompt_logprobs: PromptLogprobs | None = None  # prefill chunks that asked for them
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens computed in one step: one row R per predicted prompt token."""
+
+    logprobs: torch.Tensor  # [R] fp32, of the prompt token
+    ranks: torch.Tensor  # [R] int64
+    topk_ids: torch.Tensor | None  # [R, k]
+    topk_logprobs: torch.Tensor | None  # [R, k]
+    # host, in row order: (index of the sequence in the step, first position, number of rows)
+    spans: list[tuple[int, int, int]]
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Raw log_softmax(logits)[target], its rank and the top k (vLLM's prompt logprobs)."""
+    logprobs_all = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+    picked = logprobs_all.gather(1, targets[:, None])  # [R, 1]
+    ranks = (logprobs_all > picked).sum(dim=-1) + 1
+    top_lps = top_ids = None
+    if k > 0:
+        top_lps, top_ids = logprobs_all.topk(k, dim=-1)
+    return picked.squeeze(1), ranks, top_ids, top_lps
 
 
 def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
@@ -60,6 +92,26 @@ def apply_penalties(logits: torch.Tensor, m: SamplingMetadata) -> torch.Tensor:
     logits = logits - m.frequency_penalty[:, None] * counts
     logits = logits - m.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, m: SamplingMetadata) -> None:
+    """In place: each request's logit_bias added, the tokens its grammar forbids and (before
+    min_tokens) EOS/stop tokens banned. Device work only: nothing waits for the device."""
+    if m.logit_bias is not None:
+        rows, cols, bias = m.logit_bias
+        logits.index_put_((rows, cols), bias.to(logits.dtype), accumulate=True)
+    if m.grammar_bitmask is not None:
+        apply_grammar_bitmask(logits, m.structured_rows, m.grammar_bitmask)
+    if m.min_tokens_mask is not None:
+        logits[m.min_tokens_mask] = float("-inf")
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits[rows] of the tokens whose bit is 0 become -inf (bit t of a row: token t allowed)."""
+    V = logits.shape[1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # [R, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def apply_top_k_top_p(
@@ -127,8 +179,7 @@ class Sampler(nn.Module):
     def _fused(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         from tandem.kernels.sampling import sample
 
-        if m.min_tokens_mask is not None:  # in place: the logits are this step's scratch
-            logits[m.min_tokens_mask] = float("-inf")
+        apply_logit_bias(logits, m)  # in place: the logits are this step's scratch
         greedy = seeds = None
         if not m.all_greedy:
             greedy = m.greedy
@@ -150,8 +201,7 @@ class Sampler(nn.Module):
 
     def _torch(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        if m.min_tokens_mask is not None:
-            logits[m.min_tokens_mask] = float("-inf")
+        apply_logit_bias(logits, m)
         if m.output_counts is not None:
             logits = apply_penalties(logits, m)
         raw = logits

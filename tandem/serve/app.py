@@ -16,7 +16,13 @@ from tandem.serve.chat import OpenAIServingChat
 from tandem.serve.completions import OpenAIServingCompletion
 from tandem.serve.errors import APIError, install_error_handlers
 from tandem.serve.metrics_exchange import MetricsExchange
-from tandem.serve.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from tandem.serve.tokenization import OpenAIServingTokenization
 
 _OPEN_PATHS = {"/health", "/metrics", "/version"}  # answered without the API key
 # Bodies of any size, sized by the model and behind the admin key: a checkpoint's bytes.
@@ -48,6 +54,7 @@ def build_app(
     install_error_handlers(app)
     completions = OpenAIServingCompletion(llm, served_model_name, retry_after_s)
     chat = OpenAIServingChat(llm, served_model_name, retry_after_s, chat_template=chat_template)
+    tokenization = OpenAIServingTokenization(chat)
     created = int(time.time())
 
     @app.post("/v1/completions")
@@ -59,6 +66,18 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await chat.create(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        return await tokenization.detokenize(request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return tokenization.info()
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -10,13 +10,14 @@ from fastapi.responses import JSONResponse, Response
 from tandem.engine.request_stream import RequestStream
 from tandem.outputs import CompletionOutput
 from tandem.serve.errors import APIError
-from tandem.serve.protocol import ChatCompletionRequest, ChatMessage
+from tandem.serve.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from tandem.serve.serving import (
     OpenAIServing,
     disconnected_response,
     finite,
     new_id,
     now,
+    prompt_logprobs_json,
     token_str,
     usage,
 )
@@ -63,13 +64,16 @@ class OpenAIServingChat(OpenAIServing):
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)),
+            "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
+                           out.num_cached_tokens),
         }
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
         if req.return_token_ids:
             body["prompt_token_ids"] = out.prompt_token_ids
         return JSONResponse(body)
 
-    async def _render(self, req: ChatCompletionRequest) -> dict:
+    async def _render(self, req: ChatCompletionRequest | TokenizeRequest) -> dict:
         """The prompt text and ids, exactly as `LLM.chat` makes them."""
         tok = self.llm.tokenizer
         if tok is None:
@@ -97,6 +101,7 @@ class OpenAIServingChat(OpenAIServing):
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message,
+                **({"tools": req.tools} if getattr(req, "tools", None) else {}),
             )
         # A template is code that the input runs: its failures are the input's.
         except Exception as e:  # noqa: BLE001
@@ -141,7 +146,9 @@ class OpenAIServingChat(OpenAIServing):
                 first["prompt_token_ids"] = prompt_ids
             yield chunk([first])
         done: set[int] = set()
+        cached = 0
         async for _, out in stream:
+            cached = out.num_cached_tokens
             for c in out.outputs:
                 if c.index in done or not (c.token_ids or c.text or c.finish_reason):
                     continue
@@ -160,13 +167,15 @@ class OpenAIServingChat(OpenAIServing):
                 yield chunk([choice])
         if req.include_usage:
             final = chunk([])
-            final["usage"] = usage(num_prompt, num_generated)
+            final["usage"] = usage(num_prompt, num_generated, cached)
             yield final
 
 
 def _message_dict(i: int, m: ChatMessage) -> dict:
     content = m.content
-    if isinstance(content, list):  # content parts: text only, joined as vLLM does
+    if content is None:  # an assistant turn of tool calls only (the OpenAI SDK sends null)
+        content = ""
+    elif isinstance(content, list):  # content parts: text only, joined as vLLM does
         texts = []
         for j, part in enumerate(content):
             if part.type != "text" or part.text is None:

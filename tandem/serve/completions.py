@@ -17,6 +17,7 @@ from tandem.serve.serving import (
     finite,
     new_id,
     now,
+    prompt_logprobs_json,
     token_str,
     usage,
 )
@@ -67,38 +68,59 @@ class OpenAIServingCompletion(OpenAIServing):
         i: int,
         out: RequestOutput,
         c: CompletionOutput,
-        text: str,
+        echo: bool,
         offset: int,
+        prompt_lps: list | None = None,
     ) -> dict:
+        """One choice: with `echo` (the choice's first chunk) the prompt's text, tokens and
+        logprobs come first; with max_tokens=0 the token generated for it is dropped."""
+        text, ids, entries = "", [], []
+        if echo:
+            text, ids = self._echo(out), list(out.prompt_token_ids)
+            entries = list(prompt_lps or [None] * len(ids))
+        if not req.echo_only:
+            text += c.text
+            ids += c.token_ids
+            entries += c.logprobs or []
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = _logprobs(ids, entries, offset, self._token_text)
         choice = {
             "index": i * req.n + c.index,
             "text": text,
-            "logprobs": _logprobs(c, offset) if req.logprobs is not None else None,
+            "logprobs": logprobs,
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
         if req.return_token_ids:
-            choice["token_ids"] = c.token_ids
+            choice["token_ids"] = [] if req.echo_only else c.token_ids
+        if req.prompt_logprobs is not None and prompt_lps is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
         return choice
+
+    def _token_text(self, token_id: int) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode([token_id]) if tok is not None else f"token_id:{token_id}"
 
     def _response(self, req: CompletionRequest, rid: str, finals: list[RequestOutput]) -> dict:
         choices = []
         for i, out in enumerate(finals):
-            echo = self._echo(out) if req.echo else ""
             for c in out.outputs:
-                choice = self._choice(req, i, out, c, echo + c.text, len(echo))
+                choice = self._choice(req, i, out, c, req.echo, 0, out.prompt_logprobs)
                 if req.return_token_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 choices.append(choice)
-        num_generated = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        num_generated = 0 if req.echo_only else sum(
+            len(c.token_ids) for out in finals for c in out.outputs)
         num_prompt = sum(len(out.prompt_token_ids) for out in finals)
+        num_cached = sum(out.num_cached_tokens for out in finals)
         return {
             "id": rid,
             "object": "text_completion",
             "created": now(),
             "model": self.model_name,
             "choices": choices,
-            "usage": usage(num_prompt, num_generated),
+            "usage": usage(num_prompt, num_generated, num_cached),
         }
 
     async def _events(
@@ -108,21 +130,24 @@ class OpenAIServingCompletion(OpenAIServing):
         num_generated = 0
         offsets: dict[int, int] = {}  # choice -> characters sent so far (logprobs' text_offset)
         done: set[int] = set()
+        prompt_lps: dict[int, list | None] = {}  # prompt -> its logprobs (in its first output)
+        cached: dict[int, int] = {}
         async for i, out in stream:
+            if i not in prompt_lps:
+                prompt_lps[i] = out.prompt_logprobs
+                cached[i] = out.num_cached_tokens
             for c in out.outputs:
                 index = i * req.n + c.index
                 if index in done or not (c.token_ids or c.text or c.finish_reason):
                     continue  # a sample that finished earlier, or had no token this step
                 if c.finish_reason is not None:
                     done.add(index)
-                num_generated += len(c.token_ids)
-                text = c.text
+                if not req.echo_only:
+                    num_generated += len(c.token_ids)
                 first = index not in offsets
-                if first and req.echo:
-                    text = self._echo(out) + text
-                offset = offsets.get(index, 0) + len(text) - len(c.text)
-                choice = self._choice(req, i, out, c, text, offset)
-                offsets[index] = offset + len(c.text)
+                choice = self._choice(req, i, out, c, first and req.echo, offsets.get(index, 0),
+                                      prompt_lps[i] if first else None)
+                offsets[index] = offsets.get(index, 0) + len(choice["text"])
                 if first and req.return_token_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
                 chunk = {
@@ -133,7 +158,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "choices": [choice],
                 }
                 if req.stream_options and req.stream_options.continuous_usage_stats:
-                    chunk["usage"] = usage(num_prompt, num_generated)
+                    chunk["usage"] = usage(num_prompt, num_generated, sum(cached.values()))
                 yield chunk
         if req.include_usage:
             yield {
@@ -142,18 +167,24 @@ class OpenAIServingCompletion(OpenAIServing):
                 "created": created,
                 "model": self.model_name,
                 "choices": [],
-                "usage": usage(num_prompt, num_generated),
+                "usage": usage(num_prompt, num_generated, sum(cached.values())),
             }
 
 
-def _logprobs(c: CompletionOutput, offset: int) -> dict:
-    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
+def _logprobs(token_ids: list[int], entries: list, offset: int, token_text) -> dict:
+    """The legacy completions format: tokens, token_logprobs, top_logprobs, text_offset. An entry
+    of None (the first prompt token: nothing predicts it) gives null logprobs, as in vLLM."""
     tokens, token_logprobs, top, text_offset = [], [], [], []
-    for token_id, entry in zip(c.token_ids, c.logprobs or []):
-        tok = token_str(token_id, entry.get(token_id))
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            tok = token_text(token_id)
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            tok = token_str(token_id, entry.get(token_id))
+            token_logprobs.append(finite(entry[token_id].logprob) if token_id in entry else None)
+            top.append({token_str(t, lp): finite(lp.logprob) for t, lp in entry.items()})
         tokens.append(tok)
-        token_logprobs.append(finite(entry[token_id].logprob) if token_id in entry else None)
-        top.append({token_str(t, lp): finite(lp.logprob) for t, lp in entry.items()})
         text_offset.append(offset)
         offset += len(tok)
     return {

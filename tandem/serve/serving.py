@@ -114,7 +114,7 @@ class OpenAIServing:
                     param=max_tokens_field,
                     code="context_length_exceeded",
                 )
-            max_tokens = value
+            max_tokens = max(value, 1)  # (0: scoring with echo, one token generated and dropped)
         else:  # the default (16 for completions), or what fits the context
             max_tokens = max(1, min(value or room, room))  # (validate_request flags a long prompt)
         rename = {
@@ -203,11 +203,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},  # served by the prefix cache
     }
 
 
@@ -216,6 +217,16 @@ def token_str(token_id: int, lp: Logprob | None) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return f"token_id:{token_id}"
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs` field: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} per prompt token."""
+    if entries is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for t, lp in e.items()} for e in entries]
 
 
 def finite(logprob: float) -> float:

@@ -32,6 +32,9 @@ class StubConfig:
     split_events: bool = False  # token events split over two writes, with CRLF line ends
     eos_after: int | None = None  # stop early unless ignore_eos (to test short outputs)
     model: str = "stub-model"
+    send_done: bool = True  # False: the stream ends at EOF after its finish (transformers serve)
+    max_model_len: int | None = None  # listed at /v1/models when set
+    reject_fields: tuple[str, ...] = ()  # a 422 naming these fields when a request sends them
 
 
 def _event(obj: dict) -> bytes:
@@ -64,7 +67,10 @@ class StubServer:
         return web.Response(text="ok")
 
     async def _models(self, _request):
-        return web.json_response({"object": "list", "data": [{"id": self.cfg.model}]})
+        card = {"id": self.cfg.model}
+        if self.cfg.max_model_len is not None:
+            card["max_model_len"] = self.cfg.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     def _scale(self) -> float:
         cap = self.cfg.capacity
@@ -77,6 +83,10 @@ class StubServer:
         k, cfg = self.count, self.cfg
         if cfg.fail_every and k % cfg.fail_every == 0:
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        rejected = [f for f in cfg.reject_fields if f in body]
+        if rejected:
+            return web.json_response({"detail": [{"loc": ["body", f], "msg": "Extra inputs are not "
+                                                  "permitted"} for f in rejected]}, status=422)
         chat = request.path.endswith("/chat/completions")
         n = int(body.get("max_tokens") or 16)
         if cfg.eos_after and not body.get("ignore_eos"):
@@ -113,7 +123,8 @@ class StubServer:
                 p = len(prompt.split())
                 usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
                 await resp.write(_event({"choices": [], "usage": usage}))
-            await resp.write(b"data: [DONE]\n\n")
+            if cfg.send_done:
+                await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
         finally:

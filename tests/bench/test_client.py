@@ -124,3 +124,22 @@ def test_max_concurrency_caps_in_flight(stub):
         sent, _ = _run(server.base_url, n=12, out=4, max_concurrency=3)
         assert server.max_in_flight == 3
     assert all(r.ok for r in sent)
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("finish_chunk", [False, True])
+def test_a_stream_may_end_without_done_once_its_choice_finished(stub, endpoint, finish_chunk):
+    """`transformers serve` ends with a chunk carrying finish_reason (and usage), then EOF."""
+    with stub(tpot_ms=1, send_done=False, finish_chunk=finish_chunk) as server:
+        sent, _ = _run(server.base_url, endpoint=endpoint)
+    assert all(r.ok for r in sent), [r.error for r in sent]
+    assert [len(r.token_times) for r in sent] == [5] * 4
+
+
+def test_a_stream_that_ends_unfinished_without_done_fails():
+    r = RequestRecord(0)
+    assert not consume_event(r, ev({"choices": [{"index": 0, "text": " a", "finish_reason": None}]}),
+                             1.0, False)
+    assert not r.finished
+    consume_event(r, ev({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}), 2.0, False)
+    assert r.finished

@@ -109,3 +109,10 @@ def test_inflight_timeline_and_peak_rate():
     b = rec(1, 0.5, [0.7, 0.8, 0.9], end=2.0)
     assert inflight_timeline([a, b]) == [(0.0, 1), (0.5, 2), (1.0, 1), (2.0, 0)]
     assert peak_output_rate([a, b], bin_s=1.0) == 5.0
+
+
+def test_peak_rate_counts_tokens_not_chunks():
+    # a server streaming 8 tokens a chunk (--stream-interval 8): 3 chunks in the first second
+    # carry 24 tokens; the peak must say 24 tok/s, not 3
+    a = rec(0, 0.0, [0.1, 0.5, 0.9, 1.5], tokens=32)
+    assert peak_output_rate([a], bin_s=1.0) == 24.0

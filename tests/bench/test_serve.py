@@ -180,3 +180,27 @@ def test_with_a_fake_gpu_the_monitor_reports_idle_while_busy(stub, monkeypatch, 
     serve.print_report(report)
     assert "GPU was idle" in capsys.readouterr().out
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_a_peer_server_without_done(stub):
+    """What `tandem bench serve` sees from `transformers serve`: no [DONE], finish + usage."""
+    with stub(tpot_ms=1, send_done=False) as server:
+        report = run_benchmark(quick_config(server.base_url, num_prompts=8, output_len=4),
+                               show_progress=False)
+    assert report["results"]["completed"] == 8 and report["results"]["failed"] == 0
+
+
+def test_warmup_refused_for_ignore_eos_suggests_no_ignore_eos(stub):
+    with stub(reject_fields=("ignore_eos", "min_tokens")) as server:
+        with pytest.raises(RuntimeError, match="--no-ignore-eos"):
+            run_benchmark(quick_config(server.base_url, num_prompts=2), show_progress=False)
+
+
+def test_workload_checked_against_max_model_len_before_sending(stub):
+    with stub(max_model_len=20) as server:
+        cfg = quick_config(server.base_url, num_prompts=4, input_len=16, output_len=8)
+        with pytest.raises(RuntimeError, match=r"4 of 4 requests do not fit .*max_model_len \(20\)"):
+            run_benchmark(cfg, show_progress=False)
+        assert server.count == 0  # nothing was sent
+        fits = quick_config(server.base_url, num_prompts=4, input_len=8, output_len=8)
+        assert run_benchmark(fits, show_progress=False)["results"]["completed"] == 4

@@ -151,3 +151,20 @@ def test_bad_values_are_refused():
                    {"top_k": 2**40}):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
+
+
+def test_logit_bias(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = tokens(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    forced = llm.generate(PROMPTS[:2], greedy.clone(logit_bias={42: 100.0}), use_tqdm=False)
+    assert tokens(forced) == [[[42] * 6]] * 2
+    # only the biased request changes; its neighbour in the batch keeps its greedy tokens
+    banned = greedy.clone(logit_bias={t: -100.0 for t in plain[0][0]})
+    mixed = llm.generate(PROMPTS[:2], [banned, greedy], use_tqdm=False)
+    assert not set(mixed[0].outputs[0].token_ids) & set(plain[0][0])
+    assert mixed[1].outputs[0].token_ids == plain[1][0]
+    sampled = llm.generate(PROMPTS, SamplingParams(max_tokens=4, seed=0, logit_bias={7: 100.0}),
+                           use_tqdm=False)
+    assert tokens(sampled) == [[[7] * 4]] * 3
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(PROMPTS[:1], greedy.clone(logit_bias={10**6: 1.0}), use_tqdm=False)

@@ -43,7 +43,10 @@ CASES = [  # (path, body, status, param)
     (C, {"prompt": "x", "max_tokens": 4, "min_tokens": 9}, 400, "min_tokens"),
     (C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
     (C, {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
-    (C, {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"x": 1.0}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "logit_bias": {"999999": 1.0}}, 400, "logit_bias"),
+    (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # scoring needs echo
+    (C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {"prompt": "x", "best_of": 3}, 400, "best_of"),
     (C, {"prompt": "x", "stream_options": {"include_usage": "please"}}, 400, "stream_options"),
     (CHAT, {}, 400, "messages"),

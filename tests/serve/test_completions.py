@@ -25,9 +25,9 @@ def test_greedy_equals_offline(server, offline, stream):
         "max_tokens": 24,
         "temperature": 0,
         "return_token_ids": True,
-        "stream_options": {"include_usage": True},
     }
-    if stream:
+    if stream:  # (stream_options without stream is a 400, as in vLLM)
+        body["stream_options"] = {"include_usage": True}
         events = server.stream("/v1/completions", body)
         usage = events[-1]
         assert usage["choices"] == [] and usage["object"] == "text_completion"

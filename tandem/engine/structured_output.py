@@ -1,0 +1,107 @@
+"""Structured outputs: a grammar per sample (llguidance), its token mask computed on the host
+each step and applied to the logits on the device.
+
+Each constrained sample holds an `LLMatcher` that consumes the sample's tokens as they are read
+back. Before a step samples, the matchers of its rows fill one pinned int32 bitmask (a bit per
+token), copied to the device without blocking; the sampler expands it there. The mask needs the
+previous token: with async scheduling the grammars take the in-flight step's tokens once the next
+step's forward is launched, so the host's mask work runs while the device computes the forward.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+
+import torch
+
+from tandem.sampling_params import StructuredOutputsParams
+
+_CACHE_SIZE = 64  # compiled grammars kept (an RL rollout asks for the same one many times)
+
+
+def grammar_source(so: StructuredOutputsParams) -> str:
+    """llguidance's grammar for one request's constraint."""
+    from llguidance import LLMatcher
+
+    if so.json is not None or so.json_object:
+        schema = {"type": "object"} if so.json is None else so.json
+        schema = schema if isinstance(schema, str) else json.dumps(schema)
+        return LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": not so.disable_any_whitespace})
+    if so.regex is not None:
+        return LLMatcher.grammar_from_regex(so.regex)
+    if so.choice is not None:
+        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in so.choice))
+    return LLMatcher.grammar_from_lark(so.grammar)
+
+
+def check_grammar(so: StructuredOutputsParams) -> None:
+    """ValueError naming the problem when the constraint does not compile (no tokenizer needed:
+    the API server checks before the request reaches the engine)."""
+    try:
+        from llguidance import LLMatcher
+    except ImportError:
+        raise ValueError("structured_outputs need llguidance: pip install llguidance "
+                         "(it comes with tandem[serve])") from None
+    error = LLMatcher.validate_grammar(grammar_source(so))
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"structured_outputs: invalid grammar: {error.strip()}")
+
+
+class StructuredOutputManager:
+    """Compiles constraints into matchers, cached per grammar."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        try:
+            import llguidance.hf
+        except ImportError:
+            raise ValueError("structured_outputs need llguidance: pip install llguidance "
+                             "(it comes with tandem[serve])") from None
+        if tokenizer is None:
+            raise ValueError("structured_outputs need a tokenizer (the grammar is over text)")
+        eos = sorted(eos_token_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._compiled: OrderedDict[str, object] = OrderedDict()
+
+    def matcher(self, so: StructuredOutputsParams):
+        """A fresh matcher for `so`; ValueError naming the problem if the grammar is invalid."""
+        from llguidance import LLMatcher
+
+        source = grammar_source(so)
+        template = self._compiled.get(source)
+        if template is None:
+            template = LLMatcher(self.tokenizer, source, log_level=0)
+            if template.is_error():
+                raise ValueError(f"structured_outputs: invalid grammar: {template.get_error()}")
+            self._compiled[source] = template
+            if len(self._compiled) > _CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(source)
+        return template.deep_copy()
+
+
+
+class BitmaskFiller:
+    """Fills a step's bitmask: rows in parallel on llguidance's thread pool (made at the first
+    batch with several constrained rows; it belongs to the model runner, not the process)."""
+
+    def __init__(self, vocab_size: int, pin: bool):
+        self.words = (vocab_size + 31) // 32  # int32 words per row
+        self.pin = pin
+        self._executor = None
+
+    def __call__(self, matchers: list) -> torch.Tensor:
+        """[R, ceil(V / 32)] int32 on the host: bit t of row r set where token t may come next."""
+        mask = torch.empty((len(matchers), self.words), dtype=torch.int32, pin_memory=self.pin)
+        if len(matchers) == 1:
+            matchers[0].unsafe_compute_mask_ptr(mask.data_ptr(), self.words * 4)
+            return mask
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
+                                               mask.data_ptr(), self.words * 4, len(matchers))
+        return mask
