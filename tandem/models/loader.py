@@ -116,6 +116,21 @@ def _target_name(model: nn.Module, name: str) -> tuple[str, object]:
     return name, None
 
 
+def checkpoint_target(model: nn.Module, params: dict, name: str):
+    """(parameter name, shard id, parameter) that an HF checkpoint tensor loads into, or None for
+    a tensor the model does not keep (rotary's inv_freq, a tied lm_head). Unknown names raise, so
+    a renamed checkpoint cannot silently leave random weights behind."""
+    if "rotary_emb.inv_freq" in name:
+        return None
+    if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+        return None
+    target, shard = _target_name(model, name)
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+    return target, shard, param
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Copy HF-named tensors into the model's (possibly merged) parameters, in place.
@@ -126,14 +141,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name:
+        found = checkpoint_target(model, params, name)
+        if found is None:
             continue
-        if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-            continue
-        target, shard = _target_name(model, name)
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        target, shard, param = found
         module = model.get_submodule(target.rsplit(".", 1)[0])
         loader = getattr(module, "weight_loader", None)
         tensor = tensor.to(device=param.device, dtype=param.dtype, non_blocking=True)

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tandem.models.loader import _target_name
+from tandem.models.loader import checkpoint_target
 
 # (name, shape, dtype): what a weight update will hold, known before its data is
 TensorSpec = tuple[str, tuple[int, ...], torch.dtype]
@@ -56,16 +56,10 @@ def check_weights(model: nn.Module, specs: Iterable[TensorSpec]) -> set[str]:
     params = dict(model.named_parameters())
     targets: set[str] = set()
     for name, shape, dtype in specs:
-        if "rotary_emb.inv_freq" in name:
+        found = checkpoint_target(model, params, name)  # the loader's own name mapping
+        if found is None:
             continue
-        if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-            continue
-        target, shard = _target_name(model, name)
-        param = params.get(target)
-        if param is None:
-            raise ValueError(
-                f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}"
-            )
+        target, shard, param = found
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"{name}: dtype {dtype} is not a floating-point type "
                              f"(the parameter is {param.dtype})")
