@@ -35,7 +35,9 @@ def test_knee_of_a_capacity_limited_server(stub, tmp_path):
     tput = [p["output_throughput"] for p in pts]
     assert tput[2] > 1.6 * tput[1] and tput[4] < 1.4 * tput[2]  # rises, then plateaus
     assert pts[4]["tpot_ms"]["median"] > 3 * pts[2]["tpot_ms"]["median"]
-    assert {2, 4} <= set(res["pareto"])  # the sweet spot and the most tok/s per GPU
+    # the sweet spot and the most tok/s per GPU (which plateau point is highest is timing noise)
+    most = max(range(len(pts)), key=lambda i: tput[i])
+    assert {2, most} <= set(res["pareto"])
     for name in ("sweep.json", "sweep.csv", "report.md", "latency_vs_load.png", "pareto.png"):
         assert (tmp_path / name).stat().st_size > 100, name
     assert "sweet spot: concurrency 4" in (tmp_path / "report.md").read_text()
