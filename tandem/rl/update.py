@@ -125,7 +125,10 @@ class PolicyUpdate:
                                                     self.use_bf16, self.strategy.sharded)
         self.memory_plan, self.recompute = plan, recompute
         if self.dist.is_main:
-            logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format() if plan else "", why)
+            if plan is None:
+                logger.info("memory plan: %s", why)
+            else:
+                logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format(), why)
 
     def logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
         """Per-token logprobs [rows, T] of the packed rollout's completions under `model`, in the
