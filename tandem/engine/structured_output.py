@@ -62,7 +62,11 @@ class StructuredOutputManager:
         if tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer (the grammar is over text)")
         eos = sorted(eos_token_ids) or None
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        except TypeError:  # older llguidance (1.6) takes one end-of-sequence token, not a list
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                          eos_token=eos[0] if eos else None)
         self._compiled: OrderedDict[str, object] = OrderedDict()
 
     def matcher(self, so: StructuredOutputsParams):
