@@ -14,7 +14,7 @@ _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _MAX_COUNT = 2**31 - 1  # counts of sequences and tokens: beyond this is a typo, not a setting
 _BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_sleep_mode",
-          "trust_remote_code")
+          "trust_remote_code", "batch_invariant")
 
 
 @dataclass
@@ -62,6 +62,10 @@ class EngineConfig:
     # requests admitting each on arrival makes most steps mixed. TGI's max_waiting_tokens does the
     # same. 0 (the default) admits at once; without graphs (CPU, enforce_eager) nothing waits.
     max_admission_delay_steps: int = 0
+    # Every op with a fixed per-row arithmetic (tandem.batch_invariant): a token's logits depend on
+    # its sequence alone, so a trainer scoring the rollout with the same kernels gets the engine's
+    # logprobs exactly. Slower; for RL parity, not serving. Process-wide once an engine turns it on.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         """Every field's type and range, before anything is built (invariant 4)."""
@@ -101,6 +105,10 @@ class EngineConfig:
         self.tensor_parallel_size = check_int(
             "tensor_parallel_size", self.tensor_parallel_size, 1, 1024
         )
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"batch_invariant=True needs tensor_parallel_size=1 (got {self.tensor_parallel_size}): "
+                "a sharded layer's all-reduce sums in its own order")
         self.num_gpu_blocks_override = check_int(
             "num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True
         )

@@ -16,7 +16,7 @@ ROOT = Path(tandem.__file__).parent
 
 # the top-level modules every package may use: configs (and their field checks), parameters,
 # outputs, the forward context
-BASE = {"config", "checks", "sampling_params", "outputs", "forward_context"}
+BASE = {"config", "checks", "sampling_params", "outputs", "forward_context", "batch_invariant"}
 ORDER = ["kernels", "layers", "models", "parallel", "weights", "engine"]
 APPS = {"rl", "serve", "bench"}
 # (importer package, imported module, names): the documented crossings between applications

@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 import torch
 
+import tandem.batch_invariant as batch_invariant
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
@@ -85,6 +86,8 @@ class ModelRunner:
         """'auto' picks Triton on a GPU and the torch reference elsewhere."""
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
+        if batch_invariant.is_enabled():
+            name = "triton"  # the per-query decode kernel, on any device (tandem.batch_invariant)
         if name == "triton":
             from tandem.layers.triton_attention import TritonAttentionBackend
 

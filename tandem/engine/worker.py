@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+import tandem.batch_invariant as batch_invariant
 from tandem.config import EngineConfig
 from tandem.engine.cumem import vmm_available
 from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
@@ -37,6 +38,9 @@ class Worker:
         self.config = config
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device, source.hf_model)
+        if config.batch_invariant:  # before the model runs anything
+            batch_invariant.check_supported(self.device.type, config.tensor_parallel_size)
+            batch_invariant.enable()
         self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device, source.hf_model)
         self.model = build_model(source.hf_config, max_model_len, self.dtype, self.device)
         self.tp_group = init_tensor_parallel(self.model, config, self.device)  # None unless TP > 1

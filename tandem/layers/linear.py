@@ -7,7 +7,10 @@ Tensor parallelism replaces these from outside the model (`tandem.parallel`); ea
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+import tandem.batch_invariant as batch_invariant
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -24,6 +27,10 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     unrounded (bf16 products are exact in fp32). The lm_head of the engine and the trainer's
     log-prob head both use it, so the two score tokens from the same numbers; rounding logits
     to bf16 alone moves a token's logprob by ~0.03 nats."""
+    if batch_invariant.is_enabled():
+        from tandem.kernels.batch_invariant import linear as bi_linear
+
+        return bi_linear(x, weight, out_dtype=torch.float32)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return x @ weight.t()
     dev = x.device.type
@@ -36,8 +43,20 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.float() @ weight.float().t()
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, or its batch-invariant kernel when that mode is on (`tandem.batch_invariant`)."""
+    if batch_invariant.is_enabled():
+        from tandem.kernels.batch_invariant import linear as bi_linear
+
+        return bi_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """A plain linear layer (no sharding)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
@@ -59,6 +78,9 @@ class MergedLinear(nn.Linear):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
         self.shard_ids = list(shard_ids)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         i = self.shard_ids.index(shard_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import tandem.batch_invariant as batch_invariant
 from tandem.kernels.rmsnorm_ref import fused_add_rms_norm_ref, rms_norm_ref
 
 
@@ -17,7 +18,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda and x.dim() == 2:  # fused Triton kernel (one pass for add + norm)
+        # fused Triton kernel (one pass for add + norm); row-wise, so batch-invariant on any shape
+        if (x.is_cuda and x.dim() == 2) or batch_invariant.is_enabled():
             from tandem.kernels.rmsnorm import fused_add_rms_norm, rms_norm
 
             if residual is None:

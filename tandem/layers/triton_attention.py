@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+import tandem.batch_invariant as batch_invariant
 from tandem.forward_context import AttentionMetadata
 from tandem.kernels.decode_attention import decode_attention
 from tandem.kernels.kv_cache import store_kvcache
@@ -35,9 +36,29 @@ class TritonAttentionBackend:
         return q
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if batch_invariant.is_enabled():
+            return per_query_decode_attention(q, k_cache, v_cache, meta, scale)
         if meta.decode_only:
             return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
         return prefill_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale,
         )
+
+
+def per_query_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Batch-invariant attention: every query, prefill or decode, is one decode-kernel query over
+    its own sequence's keys up to its position, in one split. A token's output then depends on
+    its sequence alone, never on how the step chunked or batched it. Padding tokens past the
+    last sequence (a graph's padded step) read the last sequence's keys; their output is unused."""
+    if meta.decode_only:
+        return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits=1)
+    T = q.shape[0]
+    qsl = meta.query_start_loc
+    tokens = torch.arange(T, device=q.device, dtype=qsl.dtype)
+    seq = torch.searchsorted(qsl[1:], tokens, right=True).clamp_(max=qsl.numel() - 2)
+    # keys up to and including this query: the context before the step plus the step's own so far
+    own = meta.seq_lens[seq]
+    seq_lens = torch.minimum(own - (qsl[seq + 1] - qsl[seq]) + (tokens - qsl[seq]) + 1, own)
+    return decode_attention(q, k_cache, v_cache, seq_lens.clamp_(min=1).to(torch.int32),
+                            meta.block_tables[seq], scale, num_splits=1)

@@ -104,6 +104,11 @@ class GRPOConfig:
     # Each micro-batch's rows packed into one sequence (TRL's SFTConfig name): no FLOP on padding,
     # whatever the spread of completion lengths; same numbers as padded rows (`tandem.rl.packing`).
     padding_free: bool = False
+    # The trainer's logprob values from the engine's own model code and batch-invariant kernels
+    # (`tandem.rl.scorer`), the engine running them too: the two agree exactly in bf16 (|engine -
+    # trainer logprob| 0, importance ratio 1 on-policy); the gradient still comes from the HF
+    # forward. One more forward per micro-batch and slower generation (docs/rl-numerics.md).
+    batch_invariant: bool = False
 
     # Loss.
     beta: float = 0.0  # KL coefficient; 0 means no reference model is kept
@@ -330,6 +335,18 @@ class GRPOConfig:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1.0 disables it), got {self.repetition_penalty}"
             )
+        if self.batch_invariant:
+            dropped = {k: v for k, v in (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p),
+                                         ("repetition_penalty", self.repetition_penalty))
+                       if v != {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}[k]}
+            if dropped:
+                raise ValueError(
+                    f"batch_invariant=True scores tokens under softmax(logits / temperature); {dropped} "
+                    "change the engine's distribution in ways its scorer does not follow: leave them at "
+                    "their defaults, or set batch_invariant=False (the SamplingFilter path)")
+            if self.vllm_mode != "colocate":
+                raise ValueError(f"batch_invariant=True needs vllm_mode='colocate' (got {self.vllm_mode!r}): the "
+                                 "scorer and the engine must run the same kernels in one process")
 
     def _check_optimiser(self) -> None:
         _at_least("max_consecutive_nonfinite_steps", self.max_consecutive_nonfinite_steps, 1)

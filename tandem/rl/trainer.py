@@ -129,8 +129,16 @@ class GRPOTrainer:
         except TypeError as exc:
             raise ValueError(f"generation_kwargs={args.generation_kwargs!r}: {exc} (they are "
                              "tandem.SamplingParams fields, as vLLM's)") from exc
+        scorer = None
+        if args.batch_invariant:  # the trainer's logprob values from the engine's kernels (scorer.py)
+            from tandem.rl.scorer import BatchInvariantScorer
+
+            model = self.model
+            scorer = BatchInvariantScorer(model.config, self.llm.llm_engine.max_model_len, self.device,
+                                          engine_weights or (lambda: model.state_dict().items()),
+                                          torch.bfloat16 if self.use_bf16 else torch.float32)
         self.update = PolicyUpdate(self.model, self.ref_model, self.optimizer, self.scheduler, self.strategy,
-                                   self.dist, args, self.device, self.use_bf16)
+                                   self.dist, args, self.device, self.use_bf16, scorer)
         self.global_step = 0
         self.logger: MetricsLogger | None = None
         self.callback_handler = callbacks_mod.make_callback_handler(
@@ -214,6 +222,7 @@ class GRPOTrainer:
             "max_model_len": a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
             "gpu_memory_utilization": a.vllm_gpu_memory_utilization, "enable_sleep_mode": a.vllm_enable_sleep_mode,
             "seed": a.seed, "logprobs_mode": "processed_logprobs", "max_num_seqs": max(8, a.generation_batch_size),
+            "batch_invariant": a.batch_invariant,
         }
         kwargs.update(engine_kwargs)
         llm = LLM(self.model, **kwargs)

@@ -26,8 +26,9 @@ class PolicyUpdate:
     schedule exist."""
 
     def __init__(self, model, ref_model, optimizer, scheduler, strategy, dist, args: GRPOConfig,
-                 device: torch.device, use_bf16: bool):
+                 device: torch.device, use_bf16: bool, scorer=None):
         self.model, self.ref_model = model, ref_model
+        self.scorer = scorer  # batch_invariant: the policy's logprob values (`scorer.py`)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.strategy, self.dist, self.args = strategy, dist, args
         self.device, self.use_bf16 = device, use_bf16
@@ -49,6 +50,12 @@ class PolicyUpdate:
         a = self.args
         if self.recompute is None:  # the first training phase: the engine sleeps, memory is known
             self._plan_memory()
+        if self.scorer is not None:
+            notify = on_weights_changed
+
+            def on_weights_changed():
+                notify()
+                self.scorer.mark_stale()
         cuda = self.device.type == "cuda"
         optimizer_ready = bool(self.optimizer.state)  # no state before the first optimizer step
         if cuda:
@@ -132,11 +139,21 @@ class PolicyUpdate:
 
     def logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
         """Per-token logprobs [rows, T] of the packed rollout's completions under `model`, in the
-        trainer's precision and under the engine's sampling distribution."""
+        trainer's precision and under the engine's sampling distribution. With a scorer
+        (batch_invariant) the policy's values are the scorer's, exact; the HF forward gives their
+        gradient."""
+        exact = None
+        if self.scorer is not None and model is self.model:
+            exact = self.scorer.logps(data["input_ids"][rows], data["attention_mask"][rows],
+                                      data["prompt_lengths"][rows], data["completion_mask"].shape[1],
+                                      self.args.temperature)
+            if no_grad:
+                return exact
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
         with torch.no_grad() if no_grad else nullcontext(), autocast:
-            return completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
+            logp = completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
                                     data["prompt_lengths"][rows], data["completion_mask"].shape[1],
                                     self.args.temperature, self.args.per_device_train_batch_size,
                                     head_dtype=torch.bfloat16 if self.use_bf16 else None,
                                     sampling=self.sampling_filter, padding_free=self.args.padding_free)
+        return logp if exact is None else logp + (exact - logp).detach()
