@@ -1,0 +1,96 @@
+"""The memory plan as people read it (a table, printed before the first step) and the measured
+memory per phase beside it."""
+
+from __future__ import annotations
+
+from tandem.rl.memory_plan import GIB, MemoryPlan
+
+PHASES = ("generate", "train", "optimizer step")
+
+
+def _count(n: float) -> str:
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n:.0f}"
+
+
+def _labels(plan: MemoryPlan) -> dict[str, str]:
+    s, w = plan.sizes, plan.work
+    P, Pt = _count(s.num_params), _count(s.num_trainable)
+    shard = f" / {w.shards} shards" if w.shards > 1 else ""
+    ref = " + reference model" if w.reference else ""
+    if plan.offload:
+        state = f"optimizer state ({plan.optim}: in host memory)"
+    else:
+        state = f"optimizer state ({plan.optim})"
+    engine = "bf16" if w.bf16 else "fp32"
+    act = "recomputed" if plan.recompute else "kept"
+    src = "measured" if plan.measured else "formula"
+    return {
+        "trainer weights": f"trainer weights (fp32, {P} params{ref}{shard})",
+        "optimizer state": state,
+        "gradients": f"gradients (fp32, {Pt} trainable{shard})",
+        "optimizer step temporaries": "optimizer step temporaries",
+        "activations": f"activations, {act} ({src}, {w.rows} x {w.row_len} tok)",
+        "backward workspace": "backward workspace (one layer)",
+        "log-prob head": "log-prob head (fp32 chunks, weight, grad)",
+        "engine weights": f"engine weights ({engine})",
+        "KV cache": f"KV cache ({plan.kv_cache_bytes // max(1, plan.kv_block_bytes):,} blocks)",
+        "engine activations": "engine activations (profile pass)",
+        "CUDA graphs": "CUDA graphs (kept while asleep)",
+    }
+
+
+def format_plan(plan: MemoryPlan, title: str = "") -> str:
+    """The plan as a table: a row per holder, a column per phase (GiB), then what sleep frees and
+    the choices made."""
+    w, d = plan.work, plan.device
+    labels = _labels(plan)
+    scale, unit = (GIB, "GiB") if plan.peak >= GIB else (1 << 20, "MiB")
+
+    def cell(b: int | None) -> str:
+        return f"{'-':>9}" if b is None else f"{b / scale:9.2f}"
+
+    src = "TANDEM_MEMORY_BUDGET_GIB" if d.budget_from_env else "free"
+    lines = [f"{title or 'memory plan'}: {d.type} device {d.capacity / GIB:.2f} GiB ({src}), "
+             f"{d.usable / GIB:.2f} usable; {'bf16 autocast' if w.bf16 else 'fp32'}, fp32 master weights",
+             f"  {unit:<50s}" + "".join(f"{p:>9s}" for p in ("generate", "train", "opt.step"))]
+    for name, values in plan.rows.items():
+        if all(v in (None, 0) for v in values):
+            continue
+        lines.append(f"  {labels.get(name, name):<50s}" + "".join(cell(v) for v in values))
+    lines.append(f"  {'total':<50s}" + "".join(cell(v) for v in plan.totals()))
+    lines.append(f"  activations kept / recomputed: {plan.activations_kept / scale:.2f} / "
+                 f"{plan.activations_recomputed / scale:.2f} {unit}")
+    if w.colocated:
+        freed = plan.rows["engine weights"][0] + plan.kv_cache_bytes
+        if w.sleep_level is None:
+            lines.append("  sleep mode off: the engine's weights and KV cache stay through training")
+        else:
+            copy = " (level 1 keeps the weights in pinned host memory)" if w.sleep_level == 1 else ""
+            lines.append(f"  sleep level {w.sleep_level} frees the engine's weights and KV cache, "
+                         f"{freed / scale:.2f} {unit}, before training{copy}")
+    for name, b in plan.host_rows.items():
+        lines.append(f"  host: {name} {b / GIB:.2f} GiB")
+    if plan.host_rows:
+        lines.append(f"  host: {plan.host_total / GIB:.2f} GiB of {d.host / GIB:.2f} GiB available")
+    lines += [f"  -> {why}" for why in plan.why]
+    return "\n".join(lines)
+
+
+def format_measured(plan: MemoryPlan | None, measured: dict) -> str:
+    """Measured peaks per phase (GiB, `memory/<phase>_peak_gib` and `_reserved_gib`) beside the
+    plan's totals."""
+    keys = ("generate", "train", "optimizer_step")
+    predicted = plan.totals() if plan is not None else (None, None, None)
+    lines = [f"  {'GiB':<16s}{'plan':>9s}{'peak':>9s}{'reserved':>9s}{'plan/peak':>10s}"]
+    for key, name, want in zip(keys, PHASES, predicted):
+        peak, reserved = measured.get(f"memory/{key}_peak_gib"), measured.get(f"memory/{key}_reserved_gib")
+        if peak is None:
+            continue
+        ratio = f"{want / GIB / peak:10.2f}" if want and peak else f"{'-':>10s}"
+        plan_s = f"{want / GIB:9.2f}" if want is not None else f"{'-':>9s}"
+        res_s = f"{reserved:9.2f}" if reserved is not None else f"{'-':>9s}"
+        lines.append(f"  {name:<16s}{plan_s}{peak:9.2f}{res_s}{ratio}")
+    return "\n".join(lines)
