@@ -13,7 +13,7 @@ PRESETS: dict[str, dict] = {
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(_QWEN25, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    "qwen2.5-7b": dict(_QWEN25, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
     # The largest that train colocated on one GPU (docs/rl.md, "Memory"): the 7B fits in full
     # fine-tune with AdamW; the 14B and 32B need a lighter optimizer or LoRA.

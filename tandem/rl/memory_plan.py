@@ -129,8 +129,9 @@ class MemoryPlan:
     kv_cache_bytes: int
     rows: dict[str, tuple[int | None, int | None, int | None]] = field(default_factory=dict)
     host_rows: dict[str, int] = field(default_factory=dict)
-    activations_kept: int = 0
-    activations_recomputed: int = 0
+    activations_kept: int = 0  # saved for backward without recompute
+    activations_recomputed: int = 0  # with: the layers' inputs
+    backward_parts: dict[str, int] = field(default_factory=dict)  # the candidates for its peak
     measured: bool = False  # activations from the probe (`activations.measure_activations`)
     why: list[str] = field(default_factory=list)
 
@@ -237,19 +238,23 @@ def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload:
     keep_cost, redo_cost = measured or (sizes.activations(w.bf16, False, not w.padding_free),
                                         sizes.activations(w.bf16, True))
     T, L = w.tokens, w.row_len
-    kept = int(keep_cost.bytes_for(T, L))
     one_layer = sizes.one_layer(w.bf16)
     if measured:  # the probe's kept line, spread over the layers
         one_layer = type(one_layer)(keep_cost.per_token / sizes.num_layers, keep_cost.fixed / sizes.num_layers,
                                     keep_cost.per_row_sq / sizes.num_layers)
-    redone = int(redo_cost.bytes_for(T, L) + one_layer.bytes_for(T, L))
+    kept, redone = int(keep_cost.bytes_for(T, L)), int(redo_cost.bytes_for(T, L))
     plan.activations_kept, plan.activations_recomputed = kept, redone
-    backward = int(sizes.backward_workspace(w.bf16).bytes_for(T))
+    # Backward starts with the head (every saved activation still held), then walks the layers
+    # down, freeing each one's activations as it goes: its peak is the larger of the two.
+    layer = int(sizes.backward_workspace(w.bf16).bytes_for(T)) + (int(one_layer.bytes_for(T, L)) if recompute else 0)
     N = w.rows * w.completion_len  # tokens the head scores
     C, V, D = min(N, head_chunk_rows(sizes.vocab)), sizes.vocab, sizes.hidden
     # fp32 [C, V] chunks, the head's weight in the compute dtype, its fp32 gradient before it is
     # added into .grad, and the scored hidden states with their gradient
     head = 12 * V * C + (2 * V * D if w.bf16 else 0) + 4 * V * D + (engine_elem + 4) * N * D
+    plan.backward_parts = {"the head's": head, "a layer's": layer}
+    backward = max(head, layer)
+    saved = redone if recompute else kept
     engine_weights = engine_elem * (P - (Pt if w.peft else 0)) if w.colocated else 0
     engine_act = _engine_activations(sizes, w, engine_elem, w.max_num_batched_tokens) if w.colocated else 0
     graphs = (_engine_activations(sizes, w, engine_elem, min(w.cudagraph_tokens, w.max_num_batched_tokens))
@@ -259,11 +264,10 @@ def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload:
                "optimizer state": (state, state, state),
                "gradients": (None, grads, grads),
                "optimizer step temporaries": (None, None, temps),
-               "activations": (None, redone if recompute else kept, None),
-               "backward workspace": (None, backward, None),
-               "log-prob head": (None, head, None)}
+               "activations": (None, saved, None),
+               "backward workspace": (None, backward, None)}
     rest_generate = weights + state + engine_weights + engine_act + graphs
-    rest_train = weights + state + grads + graphs + max((redone if recompute else kept) + backward + head, temps)
+    rest_train = weights + state + grads + graphs + max(saved + backward, temps)
     room = dev.usable - max(rest_generate, rest_train + engine_weights if awake else 0)
     plan.kv_cache_bytes = _kv_bytes(plan, w, dev, engine_weights, engine_act, graphs, room) if w.colocated else 0
     kv = plan.kv_cache_bytes

@@ -33,8 +33,8 @@ def _labels(plan: MemoryPlan) -> dict[str, str]:
         "gradients": f"gradients (fp32, {Pt} trainable{shard})",
         "optimizer step temporaries": "optimizer step temporaries",
         "activations": f"activations, {act} ({src}, {w.rows} x {w.row_len} tok)",
-        "backward workspace": "backward workspace (one layer)",
-        "log-prob head": "log-prob head (fp32 chunks, weight, grad)",
+        "backward workspace": "backward workspace (" + " / ".join(
+            f"{k} {v / GIB:.2f}" for k, v in plan.backward_parts.items()) + ")",
         "engine weights": f"engine weights ({engine})",
         "KV cache": f"KV cache ({plan.kv_cache_bytes // max(1, plan.kv_block_bytes):,} blocks)",
         "engine activations": "engine activations (profile pass)",
@@ -55,12 +55,12 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     src = "TANDEM_MEMORY_BUDGET_GIB" if d.budget_from_env else "free"
     lines = [f"{title or 'memory plan'}: {d.type} device {d.capacity / GIB:.2f} GiB ({src}), "
              f"{d.usable / GIB:.2f} usable; {'bf16 autocast' if w.bf16 else 'fp32'}, fp32 master weights",
-             f"  {unit:<50s}" + "".join(f"{p:>9s}" for p in ("generate", "train", "opt.step"))]
+             f"  {unit:<56s}" + "".join(f"{p:>9s}" for p in ("generate", "train", "opt.step"))]
     for name, values in plan.rows.items():
         if all(v in (None, 0) for v in values):
             continue
-        lines.append(f"  {labels.get(name, name):<50s}" + "".join(cell(v) for v in values))
-    lines.append(f"  {'total':<50s}" + "".join(cell(v) for v in plan.totals()))
+        lines.append(f"  {labels.get(name, name):<56s}" + "".join(cell(v) for v in values))
+    lines.append(f"  {'total':<56s}" + "".join(cell(v) for v in plan.totals()))
     lines.append(f"  activations kept / recomputed: {plan.activations_kept / scale:.2f} / "
                  f"{plan.activations_recomputed / scale:.2f} {unit}")
     if w.colocated:
@@ -79,18 +79,19 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def format_measured(plan: MemoryPlan | None, measured: dict) -> str:
-    """Measured peaks per phase (GiB, `memory/<phase>_peak_gib` and `_reserved_gib`) beside the
-    plan's totals."""
-    keys = ("generate", "train", "optimizer_step")
-    predicted = plan.totals() if plan is not None else (None, None, None)
-    lines = [f"  {'GiB':<16s}{'plan':>9s}{'peak':>9s}{'reserved':>9s}{'plan/peak':>10s}"]
-    for key, name, want in zip(keys, PHASES, predicted):
-        peak, reserved = measured.get(f"memory/{key}_peak_gib"), measured.get(f"memory/{key}_reserved_gib")
-        if peak is None:
+def format_measured(metrics: dict) -> str:
+    """Measured peaks per phase (`memory/<phase>_peak_gib`, `_reserved_gib`) beside the plan's
+    totals (`memory/plan_<phase>_gib`), in GiB."""
+    lines = [f"  {'GiB':<16s}{'plan':>9s}{'peak':>9s}{'reserved':>9s}{'peak/plan':>10s}"]
+    for key, name in zip(("generate", "train", "optimizer_step"), PHASES):
+        peak, reserved = metrics.get(f"memory/{key}_peak_gib"), metrics.get(f"memory/{key}_reserved_gib")
+        want = metrics.get(f"memory/plan_{key}_gib")
+        if peak is None and want is None:
             continue
-        ratio = f"{want / GIB / peak:10.2f}" if want and peak else f"{'-':>10s}"
-        plan_s = f"{want / GIB:9.2f}" if want is not None else f"{'-':>9s}"
-        res_s = f"{reserved:9.2f}" if reserved is not None else f"{'-':>9s}"
-        lines.append(f"  {name:<16s}{plan_s}{peak:9.2f}{res_s}{ratio}")
+
+        def cell(v, width=9):
+            return f"{v:{width}.2f}" if v is not None else f"{'-':>{width}s}"
+
+        ratio = peak / want if peak is not None and want else None
+        lines.append(f"  {name:<16s}{cell(want)}{cell(peak)}{cell(reserved)}{cell(ratio, 10)}")
     return "\n".join(lines)

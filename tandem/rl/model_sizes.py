@@ -101,9 +101,13 @@ def model_sizes(hf_config, peft_config=None) -> ModelSizes:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     if peft_config is not None:
+        import warnings
+
         import peft
 
-        model = peft.get_peft_model(model, peft_config)
+        with warnings.catch_warnings():  # peft asks the model for transformers' deprecated names
+            warnings.simplefilter("ignore", FutureWarning)
+            model = peft.get_peft_model(model, peft_config)
     return sizes_of_model(model)
 
 

@@ -99,12 +99,13 @@ def step_temporaries(optim: str, numels: Iterable[int], cuda: bool, weight_decay
     path takes the square root of a whole state list at once (4 B an element: the OOM of a 7B
     model's first `_multi_tensor_adam`), and SGD with weight decay a decayed copy of the
     gradients; on a CPU torch steps one tensor at a time. The fused kernels take nothing;
-    torchao's compiled step works one tensor at a time (fp32 copies of the largest)."""
+    torchao's compiled step works one tensor at a time: the largest's two moments in fp32 between
+    dequantising and requantising them (per-block maxima)."""
     numels = list(numels)
     if not numels:
         return 0
     if optim in QUANTISED:
-        return 16 * max(numels)  # fp32 parameter, gradient and both moments of one tensor
+        return 8 * max(numels)
     fused = optim == "adamw_torch_fused" and cuda
     if fused or optim == "sgd" and not weight_decay:
         return 0
