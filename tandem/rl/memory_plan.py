@@ -49,6 +49,7 @@ class Workload:
     reference: bool  # a reference model (beta > 0, full fine-tune)
     peft: bool
     padding_free: bool = False
+    engine_len: int = 0  # the engine's max_model_len (0: row_len): its cache holds one at least
     colocated: bool = True
     sleep_level: int | None = 2  # None: the engine stays awake while training
     kv: float | str = "auto"  # vllm_gpu_memory_utilization
@@ -80,12 +81,13 @@ class Workload:
                                                         "block_size", "enforce_eager",
                                                         "max_cudagraph_capture_size",
                                                         "cpu_kv_cache_space_gib")}, **(engine or {})}
-        row_len = a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length
+        row_len = (a.max_prompt_length or 512) + a.max_completion_length
         given = engine or {}
         kv, kv_bytes = a.vllm_gpu_memory_utilization, given.get("kv_cache_memory_bytes")
         if "gpu_memory_utilization" in given or "cpu_kv_cache_space_gib" in given:  # the engine sizes it
             kv = given.get("gpu_memory_utilization", kv if kv != "auto" else EngineConfig.gpu_memory_utilization)
         return cls(rows=a.per_device_train_batch_size, row_len=row_len,
+                   engine_len=a.vllm_max_model_length or row_len,
                    completion_len=a.max_completion_length,
                    round_seqs=min(e["max_num_seqs"], a.generation_batch_size), bf16=bf16,
                    reference=a.beta != 0.0 and not peft, peft=peft, padding_free=a.padding_free,
@@ -132,7 +134,8 @@ class MemoryPlan:
     activations_kept: int = 0  # saved for backward without recompute
     activations_recomputed: int = 0  # with: the layers' inputs
     backward_parts: dict[str, int] = field(default_factory=dict)  # the candidates for its peak
-    measured: bool = False  # activations from the probe (`activations.measure_activations`)
+    measured: bool = False  # activations from the probe (`activations.measure_activations`) ...
+    costs: tuple | None = None  # ... (kept, recomputed) ActivationCosts
     why: list[str] = field(default_factory=list)
 
     def totals(self) -> tuple[int, int, int]:
@@ -152,7 +155,8 @@ class MemoryPlan:
 
     @property
     def kv_ok(self) -> bool:
-        return not self.work.colocated or self.kv_cache_bytes >= self.kv_block_bytes * self.blocks_per_seq
+        """The engine refuses a cache that cannot hold one sequence of max_model_len."""
+        return not self.work.colocated or self.kv_cache_bytes >= self.kv_block_bytes * self.engine_blocks_per_seq
 
     @property
     def kv_block_bytes(self) -> int:
@@ -161,6 +165,10 @@ class MemoryPlan:
     @property
     def blocks_per_seq(self) -> int:
         return -(-self.work.row_len // self.work.block_size)
+
+    @property
+    def engine_blocks_per_seq(self) -> int:
+        return -(-(self.work.engine_len or self.work.row_len) // self.work.block_size)
 
     def format(self, title: str = "") -> str:
         from tandem.rl.memory_table import format_plan
@@ -230,7 +238,8 @@ def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload:
     P, Pt, S = sizes.num_params, sizes.num_trainable, w.shards
     numels = list(sizes.trainable_numels)
     engine_elem = 2 if w.bf16 else 4
-    plan = MemoryPlan(sizes, w, dev, recompute, offload, w.optim, 0, measured=measured is not None)
+    plan = MemoryPlan(sizes, w, dev, recompute, offload, w.optim, 0, measured=measured is not None,
+                      costs=measured)
     weights = 4 * P // S + (4 * P // S if w.reference else 0)
     state = 0 if offload else optim_mod.state_bytes(w.optim, numels) // S
     grads = 4 * Pt // S
@@ -239,9 +248,10 @@ def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload:
                                         sizes.activations(w.bf16, True))
     T, L = w.tokens, w.row_len
     one_layer = sizes.one_layer(w.bf16)
-    if measured:  # the probe's kept line, spread over the layers
-        one_layer = type(one_layer)(keep_cost.per_token / sizes.num_layers, keep_cost.fixed / sizes.num_layers,
-                                    keep_cost.per_row_sq / sizes.num_layers)
+    if measured:  # the probe's kept line, less what is outside the layers, spread over them
+        outside = sizes.activations(w.bf16, False).per_token - sizes.num_layers * one_layer.per_token
+        one_layer = type(one_layer)((keep_cost.per_token - outside) / sizes.num_layers,
+                                    keep_cost.fixed / sizes.num_layers, keep_cost.per_row_sq / sizes.num_layers)
     kept, redone = int(keep_cost.bytes_for(T, L)), int(redo_cost.bytes_for(T, L))
     plan.activations_kept, plan.activations_recomputed = kept, redone
     # Backward starts with the head (every saved activation still held), then walks the layers
@@ -268,7 +278,10 @@ def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload:
                "backward workspace": (None, backward, None)}
     rest_generate = weights + state + engine_weights + engine_act + graphs
     rest_train = weights + state + grads + graphs + max(saved + backward, temps)
-    room = dev.usable - max(rest_generate, rest_train + engine_weights if awake else 0)
+    # awake while training, the KV cache shares the train phase: leave room for the probe's
+    # correction of the formula's activations (measured once the model is loaded)
+    slack = int(0.05 * (saved + backward)) if awake and measured is None else 0
+    room = dev.usable - max(rest_generate, rest_train + engine_weights + slack if awake else 0)
     plan.kv_cache_bytes = _kv_bytes(plan, w, dev, engine_weights, engine_act, graphs, room) if w.colocated else 0
     kv = plan.kv_cache_bytes
     plan.rows = {**trainer,
@@ -290,7 +303,7 @@ def _engine_activations(sizes: ModelSizes, w: Workload, elem: int, tokens: int) 
     """The engine's largest forward (its profiling pass: `tandem.engine.memory.profile_run`):
     hidden and residual states, q/k/v, the MLP's gate/up and product, then the sampler's fp32
     logits, log-softmax and sort (values and int64 indices) for its largest batch of rows."""
-    N = min(tokens, w.row_len * w.max_num_seqs)
+    N = min(tokens, (w.engine_len or w.row_len) * w.max_num_seqs)
     D, I, H, K, E = sizes.hidden, sizes.intermediate, sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
     forward = N * elem * (4 * D + (H + 2 * K) * E + 3 * I)
     rows = min(w.max_num_seqs, N)
@@ -310,7 +323,7 @@ def _kv_bytes(plan: MemoryPlan, w: Workload, dev: Device, engine_weights: int, e
     if w.kv == "auto":
         return max(0, min(need, room) // block * block)
     if dev.type == "cpu":
-        return min(w.cpu_kv_cache_space // block, w.max_num_seqs * plan.blocks_per_seq + 1) * block
+        return min(w.cpu_kv_cache_space // block, w.max_num_seqs * plan.engine_blocks_per_seq + 1) * block
     share = float(w.kv) * dev.total - engine_weights - engine_act - graphs
     return max(0, int(share) // block * block)
 
@@ -411,8 +424,8 @@ def refusal(plan: MemoryPlan, change: tuple[dict, MemoryPlan] | None, what: str 
     if plan.host_total > d.host:
         msg.append(f"host memory: {plan.host_total / GIB:.2f} GiB needed, {d.host / GIB:.2f} GiB available")
     if not plan.kv_ok:
-        msg.append(f"the KV cache ({plan.kv_cache_bytes / GIB:.2f} GiB) cannot hold one sequence of "
-                   f"{plan.work.row_len} tokens")
+        msg.append(f"the KV cache ({size(plan.kv_cache_bytes)}) cannot hold one sequence of "
+                   f"{plan.work.engine_len or plan.work.row_len} tokens")
     if change is None:
         msg.append("nothing tried fits (a smaller micro-batch, an 8-bit or 4-bit AdamW, LoRA): "
                    "shard the model over more GPUs (fsdp=True under torchrun) or take a smaller one")

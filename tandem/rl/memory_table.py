@@ -3,7 +3,7 @@ memory per phase beside it."""
 
 from __future__ import annotations
 
-from tandem.rl.memory_plan import GIB, MemoryPlan
+from tandem.rl.memory_plan import GIB, MemoryPlan, size
 
 PHASES = ("generate", "train", "optimizer step")
 
@@ -34,7 +34,7 @@ def _labels(plan: MemoryPlan) -> dict[str, str]:
         "optimizer step temporaries": "optimizer step temporaries",
         "activations": f"activations, {act} ({src}, {w.rows} x {w.row_len} tok)",
         "backward workspace": "backward workspace (" + " / ".join(
-            f"{k} {v / GIB:.2f}" for k, v in plan.backward_parts.items()) + ")",
+            f"{k} {size(v)}" for k, v in plan.backward_parts.items()) + ")",
         "engine weights": f"engine weights ({engine})",
         "KV cache": f"KV cache ({plan.kv_cache_bytes // max(1, plan.kv_block_bytes):,} blocks)",
         "engine activations": "engine activations (profile pass)",
@@ -72,9 +72,9 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
             lines.append(f"  sleep level {w.sleep_level} frees the engine's weights and KV cache, "
                          f"{freed / scale:.2f} {unit}, before training{copy}")
     for name, b in plan.host_rows.items():
-        lines.append(f"  host: {name} {b / GIB:.2f} GiB")
+        lines.append(f"  host: {name} {size(b)}")
     if plan.host_rows:
-        lines.append(f"  host: {plan.host_total / GIB:.2f} GiB of {d.host / GIB:.2f} GiB available")
+        lines.append(f"  host: {size(plan.host_total)} of {size(d.host)} available")
     lines += [f"  -> {why}" for why in plan.why]
     return "\n".join(lines)
 
