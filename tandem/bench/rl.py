@@ -33,10 +33,9 @@ from tandem.bench.roofline import device_ceilings
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
     from tandem.bench.gpu_monitor import GpuMonitor
+    from tandem.bench.rl_memory import ENGINE_KWARGS, peft_config_of, plan_for
     from tandem.rl import GRPOConfig, GRPOTrainer
     from tandem.rl.trainer import PHASES
-
-    from tandem.bench.rl_memory import ENGINE_KWARGS, peft_config_of, plan_for
 
     plan_for(cfg)  # from the config: a workload that cannot fit is refused before the model is built
     model, tok, data = model_and_data(cfg)

@@ -417,12 +417,12 @@ def _overrides(work: Workload, trial: Workload, plan: MemoryPlan) -> dict:
 def refusal(plan: MemoryPlan, change: tuple[dict, MemoryPlan] | None, what: str = "this run") -> str:
     """The message of a plan that does not fit: what it needs, what the device has, what would fit."""
     d = plan.device
-    src = f"{BUDGET_ENV}={d.capacity / GIB:.1f}" if d.budget_from_env else "free when the trainer started"
-    msg = [f"{what} does not fit on the {d.type} device: the plan's peak is {plan.peak / GIB:.2f} GiB "
-           f"but {d.usable / GIB:.2f} GiB are usable ({d.capacity / GIB:.2f} GiB {src}, less "
-           "what a process and the allocator keep)"]
+    src = f"from {BUDGET_ENV}" if d.budget_from_env else "free when the trainer started"
+    msg = [f"{what} does not fit on the {d.type} device: the plan's peak is {size(plan.peak)} but "
+           f"{size(d.usable)} are usable ({size(d.capacity)} {src}, less what a process and the "
+           "allocator keep)"]
     if plan.host_total > d.host:
-        msg.append(f"host memory: {plan.host_total / GIB:.2f} GiB needed, {d.host / GIB:.2f} GiB available")
+        msg.append(f"host memory: {size(plan.host_total)} needed, {size(d.host)} available")
     if not plan.kv_ok:
         msg.append(f"the KV cache ({size(plan.kv_cache_bytes)}) cannot hold one sequence of "
                    f"{plan.work.engine_len or plan.work.row_len} tokens")

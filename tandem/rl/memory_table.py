@@ -53,8 +53,9 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
         return f"{'-':>9}" if b is None else f"{b / scale:9.2f}"
 
     src = "TANDEM_MEMORY_BUDGET_GIB" if d.budget_from_env else "free"
-    lines = [f"{title or 'memory plan'}: {d.type} device {d.capacity / GIB:.2f} GiB ({src}), "
-             f"{d.usable / GIB:.2f} usable; {'bf16 autocast' if w.bf16 else 'fp32'}, fp32 master weights",
+    precision = "bf16 autocast" if w.bf16 else "fp32"
+    lines = [(f"{title or 'memory plan'}: {d.type} device {d.capacity / GIB:.2f} GiB ({src}), "
+              f"{d.usable / GIB:.2f} usable; {precision}, fp32 master weights"),
              f"  {unit:<56s}" + "".join(f"{p:>9s}" for p in ("generate", "train", "opt.step"))]
     for name, values in plan.rows.items():
         if all(v in (None, 0) for v in values):

@@ -6,7 +6,6 @@ trainer (`trainer.py`) generates and scores; this optimises.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -20,8 +19,6 @@ from tandem.rl.loss import grpo_loss, loss_kwargs_from_config
 from tandem.rl.memory_plan import GIB, MemoryPlan
 from tandem.rl.memory_setup import plan_with_measured_activations
 from tandem.rl.memory_stats import PeakMemory
-
-logger = logging.getLogger(__name__)
 
 
 class PolicyUpdate:

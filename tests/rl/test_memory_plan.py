@@ -8,7 +8,13 @@ import torch
 from model_fixtures import make_tiny_model
 
 from tandem.rl.activations import ActivationCost, is_recomputing, measure_activations, set_recompute
-from tandem.rl.memory_plan import GIB, Device, MemoryPlanError, Workload, plan_memory, smallest_change
+from tandem.rl.memory_plan import (
+    GIB,
+    Device,
+    Workload,
+    plan_memory,
+    smallest_change,
+)
 from tandem.rl.model_sizes import ModelSizes
 from tandem.rl.optim import state_bytes, step_temporaries
 
