@@ -32,14 +32,23 @@ def plan_for(cfg: RLBenchConfig) -> MemoryPlan:
 
     cuda = cfg.device == "cuda"
     if cuda and not torch.cuda.is_available() and not os.environ.get(BUDGET_ENV):
-        raise ValueError("--plan-only without a GPU here plans a GPU run on a stated budget: give "
-                         "--memory-budget-gib (139.8 for an H200, 79.1 for an 80 GB H100)")
+        raise ValueError(
+            "--plan-only without a GPU here plans a GPU run on a stated budget: give "
+            "--memory-budget-gib (139.8 for an H200, 79.1 for an 80 GB H100)"
+        )
     kwargs = grpo_kwargs(cfg)
     kwargs["bf16"] = cuda  # as run_tandem will run it on the GPU
     args = GRPOConfig(**kwargs)
     world = 1  # the colocated trainer of run_tandem: one process
-    return plan_before_loading(hf_config_of(cfg), args, peft_config_of(cfg), dict(ENGINE_KWARGS),
-                               torch.device("cuda" if cuda else "cpu"), cuda, world)
+    return plan_before_loading(
+        hf_config_of(cfg),
+        args,
+        peft_config_of(cfg),
+        dict(ENGINE_KWARGS),
+        torch.device("cuda" if cuda else "cpu"),
+        cuda,
+        world,
+    )
 
 
 def plan_only(cfg: RLBenchConfig) -> dict:
@@ -60,9 +69,18 @@ def plan_only(cfg: RLBenchConfig) -> dict:
 
 def summary(plan: MemoryPlan) -> dict:
     gen, train, step = plan.totals()
-    return {"fits": plan.fits, "peak_gib": plan.peak / GIB, "usable_gib": plan.device.usable / GIB,
-            "plan_generate_gib": gen / GIB, "plan_train_gib": train / GIB,
-            "plan_optimizer_step_gib": step / GIB, "recompute": plan.recompute, "optim": plan.optim,
-            "optim_offload": plan.offload, "kv_cache_gib": plan.kv_cache_bytes / GIB,
-            "params": plan.sizes.num_params, "trainable": plan.sizes.num_trainable,
-            "host_gib": plan.host_total / GIB}
+    return {
+        "fits": plan.fits,
+        "peak_gib": plan.peak / GIB,
+        "usable_gib": plan.device.usable / GIB,
+        "plan_generate_gib": gen / GIB,
+        "plan_train_gib": train / GIB,
+        "plan_optimizer_step_gib": step / GIB,
+        "recompute": plan.recompute,
+        "optim": plan.optim,
+        "optim_offload": plan.offload,
+        "kv_cache_gib": plan.kv_cache_bytes / GIB,
+        "params": plan.sizes.num_params,
+        "trainable": plan.sizes.num_trainable,
+        "host_gib": plan.host_total / GIB,
+    }

@@ -31,8 +31,11 @@ class ActivationCost:
         return self.fixed + self.per_token * tokens + self.per_row_sq * rows * row_len**2
 
 
-def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext,
-                        lengths: tuple[int, int, int] = (32, 48, 64)) -> ActivationCost:
+def measure_activations(
+    model: torch.nn.Module,
+    precision=contextlib.nullcontext,
+    lengths: tuple[int, int, int] = (32, 48, 64),
+) -> ActivationCost:
     """Saved-for-backward bytes of one forward pass of `model` (a HF causal LM, in its current
     gradient-checkpointing state) under the `precision` context, as a quadratic in the row length
     (exact through three lengths). The probe's row ends in one padding token, as the trainer's
@@ -47,7 +50,9 @@ def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext
     model.train()
     try:
         for n in lengths:
-            seen: dict[tuple[int, int], int] = {}  # storage -> bytes: a tensor saved twice counts once
+            seen: dict[
+                tuple[int, int], int
+            ] = {}  # storage -> bytes: a tensor saved twice counts once
 
             def pack(t: torch.Tensor, seen=seen) -> torch.Tensor:
                 if t.device == device and t.data_ptr() not in params:
@@ -58,8 +63,14 @@ def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext
             ids = torch.randint(0, vocab, (1, n), device=device)
             mask = torch.ones_like(ids)
             mask[0, -1] = 0
-            with torch.enable_grad(), precision(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            with (
+                torch.enable_grad(),
+                precision(),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            ):
+                hidden = model.get_decoder()(
+                    input_ids=ids, attention_mask=mask, use_cache=False
+                ).last_hidden_state
             del hidden
             sizes.append(sum(seen.values()))
     finally:
@@ -68,8 +79,11 @@ def measure_activations(model: torch.nn.Module, precision=contextlib.nullcontext
     d01, d12 = (b1 - b0) / (n1 - n0), (b2 - b1) / (n2 - n1)
     sq = (d12 - d01) / (n2 - n0)  # divided differences: b = fixed + per_token n + sq n^2
     per_token = d01 - sq * (n0 + n1)
-    return ActivationCost(per_token=per_token, fixed=max(0.0, b0 - per_token * n0 - sq * n0**2),
-                          per_row_sq=max(0.0, sq))
+    return ActivationCost(
+        per_token=per_token,
+        fixed=max(0.0, b0 - per_token * n0 - sq * n0**2),
+        per_row_sq=max(0.0, sq),
+    )
 
 
 def set_recompute(model: torch.nn.Module, on: bool) -> None:
@@ -80,13 +94,22 @@ def set_recompute(model: torch.nn.Module, on: bool) -> None:
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         model.config.use_cache = False
     elif is_recomputing(model):
-        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable = (
+            getattr(model, "activation_checkpointing_disable", None)
+            or model.gradient_checkpointing_disable
+        )
         disable()
 
 
 def is_recomputing(model: torch.nn.Module) -> bool:
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    flag = (
+        "is_activation_checkpointing"
+        if hasattr(type(model), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     return bool(getattr(model, flag, False))

@@ -23,7 +23,7 @@ The device's capacity is what it can hand out when the trainer starts (`free_mem
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,34 +73,63 @@ class Workload:
         return self.rows * self.row_len
 
     @classmethod
-    def from_config(cls, a, bf16: bool, peft: bool = False, engine: dict | None = None,
-                    shards: int = 1) -> Workload:
+    def from_config(
+        cls, a, bf16: bool, peft: bool = False, engine: dict | None = None, shards: int = 1
+    ) -> Workload:
         from tandem.config import EngineConfig
 
-        e = {**{k: getattr(EngineConfig, k) for k in ("max_num_seqs", "max_num_batched_tokens",
-                                                        "block_size", "enforce_eager",
-                                                        "max_cudagraph_capture_size",
-                                                        "cpu_kv_cache_space_gib")}, **(engine or {})}
+        e = {
+            **{
+                k: getattr(EngineConfig, k)
+                for k in (
+                    "max_num_seqs",
+                    "max_num_batched_tokens",
+                    "block_size",
+                    "enforce_eager",
+                    "max_cudagraph_capture_size",
+                    "cpu_kv_cache_space_gib",
+                )
+            },
+            **(engine or {}),
+        }
         row_len = (a.max_prompt_length or 512) + a.max_completion_length
         given = engine or {}
         kv, kv_bytes = a.vllm_gpu_memory_utilization, given.get("kv_cache_memory_bytes")
-        if "gpu_memory_utilization" in given or "cpu_kv_cache_space_gib" in given:  # the engine sizes it
-            kv = given.get("gpu_memory_utilization", kv if kv != "auto" else EngineConfig.gpu_memory_utilization)
-        return cls(rows=a.per_device_train_batch_size, row_len=row_len,
-                   engine_len=a.vllm_max_model_length or row_len,
-                   completion_len=a.max_completion_length,
-                   round_seqs=min(e["max_num_seqs"], a.generation_batch_size), bf16=bf16,
-                   reference=a.beta != 0.0 and not peft, peft=peft, padding_free=a.padding_free,
-                   colocated=a.vllm_mode == "colocate",
-                   sleep_level=a.engine_sleep_level if a.vllm_enable_sleep_mode else None,
-                   kv=kv, kv_bytes=kv_bytes, kv_blocks=given.get("num_gpu_blocks_override"),
-                   kv_by_engine_args=kv_bytes is not None or "num_gpu_blocks_override" in given,
-                   gradient_checkpointing=a.gradient_checkpointing,
-                   optim=a.optim, optim_offload=a.optim_offload, weight_decay=a.weight_decay,
-                   shards=shards, max_num_seqs=e["max_num_seqs"],
-                   max_num_batched_tokens=e["max_num_batched_tokens"], block_size=e["block_size"],
-                   cuda_graphs=not e["enforce_eager"], cudagraph_tokens=e["max_cudagraph_capture_size"],
-                   cpu_kv_cache_space=int(e["cpu_kv_cache_space_gib"] * GIB))
+        if (
+            "gpu_memory_utilization" in given or "cpu_kv_cache_space_gib" in given
+        ):  # the engine sizes it
+            kv = given.get(
+                "gpu_memory_utilization",
+                kv if kv != "auto" else EngineConfig.gpu_memory_utilization,
+            )
+        return cls(
+            rows=a.per_device_train_batch_size,
+            row_len=row_len,
+            engine_len=a.vllm_max_model_length or row_len,
+            completion_len=a.max_completion_length,
+            round_seqs=min(e["max_num_seqs"], a.generation_batch_size),
+            bf16=bf16,
+            reference=a.beta != 0.0 and not peft,
+            peft=peft,
+            padding_free=a.padding_free,
+            colocated=a.vllm_mode == "colocate",
+            sleep_level=a.engine_sleep_level if a.vllm_enable_sleep_mode else None,
+            kv=kv,
+            kv_bytes=kv_bytes,
+            kv_blocks=given.get("num_gpu_blocks_override"),
+            kv_by_engine_args=kv_bytes is not None or "num_gpu_blocks_override" in given,
+            gradient_checkpointing=a.gradient_checkpointing,
+            optim=a.optim,
+            optim_offload=a.optim_offload,
+            weight_decay=a.weight_decay,
+            shards=shards,
+            max_num_seqs=e["max_num_seqs"],
+            max_num_batched_tokens=e["max_num_batched_tokens"],
+            block_size=e["block_size"],
+            cuda_graphs=not e["enforce_eager"],
+            cudagraph_tokens=e["max_cudagraph_capture_size"],
+            cpu_kv_cache_space=int(e["cpu_kv_cache_space_gib"] * GIB),
+        )
 
 
 @dataclass(frozen=True)
@@ -151,12 +180,17 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.device.usable and self.host_total <= self.device.host and self.kv_ok
+        return (
+            self.peak <= self.device.usable and self.host_total <= self.device.host and self.kv_ok
+        )
 
     @property
     def kv_ok(self) -> bool:
         """The engine refuses a cache that cannot hold one sequence of max_model_len."""
-        return not self.work.colocated or self.kv_cache_bytes >= self.kv_block_bytes * self.engine_blocks_per_seq
+        return (
+            not self.work.colocated
+            or self.kv_cache_bytes >= self.kv_block_bytes * self.engine_blocks_per_seq
+        )
 
     @property
     def kv_block_bytes(self) -> int:
@@ -184,7 +218,9 @@ def device_of(device: torch.device, resident: int = 0) -> Device:
         try:
             budget = int(float(env) * GIB)
         except ValueError:
-            raise ValueError(f"{BUDGET_ENV}={env!r}: give the device's budget in GiB, e.g. 139.8") from None
+            raise ValueError(
+                f"{BUDGET_ENV}={env!r}: give the device's budget in GiB, e.g. 139.8"
+            ) from None
         if budget <= 0:
             raise ValueError(f"{BUDGET_ENV}={env!r} must be > 0 GiB")
         return Device(device.type, budget, host_available(), budget, budget_from_env=True)
@@ -213,14 +249,19 @@ def host_available() -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-def plan_memory(sizes: ModelSizes, work: Workload, device: Device,
-                activations: tuple | None = None) -> MemoryPlan:
+def plan_memory(
+    sizes: ModelSizes, work: Workload, device: Device, activations: tuple | None = None
+) -> MemoryPlan:
     """The first plan that fits, trying the open choices least intrusive first; where none fits,
     the plan of the most frugal of them (`fits` False). `activations`: measured (kept, recomputed)
     `ActivationCost`s replacing the formula's."""
-    recompute = [False, True] if work.gradient_checkpointing is None else [work.gradient_checkpointing]
-    can_offload = (work.optim in optim_mod.ADAMW_32BIT and work.shards == 1 and not work.peft)
-    offload = [False, True] if work.optim_offload is None and can_offload else [bool(work.optim_offload)]
+    recompute = (
+        [False, True] if work.gradient_checkpointing is None else [work.gradient_checkpointing]
+    )
+    can_offload = work.optim in optim_mod.ADAMW_32BIT and work.shards == 1 and not work.peft
+    offload = (
+        [False, True] if work.optim_offload is None and can_offload else [bool(work.optim_offload)]
+    )
     plan = None
     for off in offload:
         for rc in recompute:
@@ -230,33 +271,49 @@ def plan_memory(sizes: ModelSizes, work: Workload, device: Device,
     return plan  # type: ignore[return-value]
 
 
-def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload: bool,
-          measured: tuple | None) -> MemoryPlan:
+def _plan(
+    sizes: ModelSizes,
+    w: Workload,
+    dev: Device,
+    recompute: bool,
+    offload: bool,
+    measured: tuple | None,
+) -> MemoryPlan:
     from tandem.rl.logprobs import head_chunk_rows
 
     cuda = dev.type == "cuda"
     P, Pt, S = sizes.num_params, sizes.num_trainable, w.shards
     numels = list(sizes.trainable_numels)
     engine_elem = 2 if w.bf16 else 4
-    plan = MemoryPlan(sizes, w, dev, recompute, offload, w.optim, 0, measured=measured is not None,
-                      costs=measured)
+    plan = MemoryPlan(
+        sizes, w, dev, recompute, offload, w.optim, 0, measured=measured is not None, costs=measured
+    )
     weights = 4 * P // S + (4 * P // S if w.reference else 0)
     state = 0 if offload else optim_mod.state_bytes(w.optim, numels) // S
     grads = 4 * Pt // S
     temps = 0 if offload else optim_mod.step_temporaries(w.optim, numels, cuda, w.weight_decay) // S
-    keep_cost, redo_cost = measured or (sizes.activations(w.bf16, False, not w.padding_free),
-                                        sizes.activations(w.bf16, True))
+    keep_cost, redo_cost = measured or (
+        sizes.activations(w.bf16, False, not w.padding_free),
+        sizes.activations(w.bf16, True),
+    )
     T, L = w.tokens, w.row_len
     one_layer = sizes.one_layer(w.bf16)
     if measured:  # the probe's kept line, less what is outside the layers, spread over them
-        outside = sizes.activations(w.bf16, False).per_token - sizes.num_layers * one_layer.per_token
-        one_layer = type(one_layer)((keep_cost.per_token - outside) / sizes.num_layers,
-                                    keep_cost.fixed / sizes.num_layers, keep_cost.per_row_sq / sizes.num_layers)
+        outside = (
+            sizes.activations(w.bf16, False).per_token - sizes.num_layers * one_layer.per_token
+        )
+        one_layer = type(one_layer)(
+            (keep_cost.per_token - outside) / sizes.num_layers,
+            keep_cost.fixed / sizes.num_layers,
+            keep_cost.per_row_sq / sizes.num_layers,
+        )
     kept, redone = int(keep_cost.bytes_for(T, L)), int(redo_cost.bytes_for(T, L))
     plan.activations_kept, plan.activations_recomputed = kept, redone
     # Backward starts with the head (every saved activation still held), then walks the layers
     # down, freeing each one's activations as it goes: its peak is the larger of the two.
-    layer = int(sizes.backward_workspace(w.bf16).bytes_for(T)) + (int(one_layer.bytes_for(T, L)) if recompute else 0)
+    layer = int(sizes.backward_workspace(w.bf16).bytes_for(T)) + (
+        int(one_layer.bytes_for(T, L)) if recompute else 0
+    )
     N = w.rows * w.completion_len  # tokens the head scores
     C, V, D = min(N, head_chunk_rows(sizes.vocab)), sizes.vocab, sizes.hidden
     # fp32 [C, V] chunks, the head's weight in the compute dtype, its fp32 gradient before it is
@@ -266,30 +323,46 @@ def _plan(sizes: ModelSizes, w: Workload, dev: Device, recompute: bool, offload:
     backward = max(head, layer)
     saved = redone if recompute else kept
     engine_weights = engine_elem * (P - (Pt if w.peft else 0)) if w.colocated else 0
-    engine_act = _engine_activations(sizes, w, engine_elem, w.max_num_batched_tokens) if w.colocated else 0
-    graphs = (_engine_activations(sizes, w, engine_elem, min(w.cudagraph_tokens, w.max_num_batched_tokens))
-              if w.colocated and cuda and w.cuda_graphs else 0)
+    engine_act = (
+        _engine_activations(sizes, w, engine_elem, w.max_num_batched_tokens) if w.colocated else 0
+    )
+    graphs = (
+        _engine_activations(
+            sizes, w, engine_elem, min(w.cudagraph_tokens, w.max_num_batched_tokens)
+        )
+        if w.colocated and cuda and w.cuda_graphs
+        else 0
+    )
     awake = w.sleep_level is None
-    trainer = {"trainer weights": (weights, weights, weights),
-               "optimizer state": (state, state, state),
-               "gradients": (None, grads, grads),
-               "optimizer step temporaries": (None, None, temps),
-               "activations": (None, saved, None),
-               "backward workspace": (None, backward, None)}
+    trainer = {
+        "trainer weights": (weights, weights, weights),
+        "optimizer state": (state, state, state),
+        "gradients": (None, grads, grads),
+        "optimizer step temporaries": (None, None, temps),
+        "activations": (None, saved, None),
+        "backward workspace": (None, backward, None),
+    }
     rest_generate = weights + state + engine_weights + engine_act + graphs
     rest_train = weights + state + grads + graphs + max(saved + backward, temps)
     # awake while training, the KV cache shares the train phase: leave room for the probe's
     # correction of the formula's activations (measured once the model is loaded)
     slack = int(0.05 * (saved + backward)) if awake and measured is None else 0
     room = dev.usable - max(rest_generate, rest_train + engine_weights + slack if awake else 0)
-    plan.kv_cache_bytes = _kv_bytes(plan, w, dev, engine_weights, engine_act, graphs, room) if w.colocated else 0
+    plan.kv_cache_bytes = (
+        _kv_bytes(plan, w, dev, engine_weights, engine_act, graphs, room) if w.colocated else 0
+    )
     kv = plan.kv_cache_bytes
-    plan.rows = {**trainer,
-                 "engine weights": (engine_weights, engine_weights if awake else None,
-                                    engine_weights if awake else None),
-                 "KV cache": (kv, kv if awake else None, kv if awake else None),
-                 "engine activations": (engine_act, None, None),
-                 "CUDA graphs": (graphs, graphs, graphs)}
+    plan.rows = {
+        **trainer,
+        "engine weights": (
+            engine_weights,
+            engine_weights if awake else None,
+            engine_weights if awake else None,
+        ),
+        "KV cache": (kv, kv if awake else None, kv if awake else None),
+        "engine activations": (engine_act, None, None),
+        "CUDA graphs": (graphs, graphs, graphs),
+    }
     if offload:
         plan.host_rows["optimizer state (offloaded)"] = optim_mod.state_bytes("adamw_torch", numels)
         plan.host_rows["offload staging"] = staging_bytes(numels)
@@ -304,15 +377,28 @@ def _engine_activations(sizes: ModelSizes, w: Workload, elem: int, tokens: int) 
     hidden and residual states, q/k/v, the MLP's gate/up and product, then the sampler's fp32
     logits, log-softmax and sort (values and int64 indices) for its largest batch of rows."""
     N = min(tokens, (w.engine_len or w.row_len) * w.max_num_seqs)
-    D, I, H, K, E = sizes.hidden, sizes.intermediate, sizes.num_heads, sizes.num_kv_heads, sizes.head_dim
+    D, I, H, K, E = (
+        sizes.hidden,
+        sizes.intermediate,
+        sizes.num_heads,
+        sizes.num_kv_heads,
+        sizes.head_dim,
+    )
     forward = N * elem * (4 * D + (H + 2 * K) * E + 3 * I)
     rows = min(w.max_num_seqs, N)
     return int(forward + 20 * rows * sizes.vocab)
 
 
-def _kv_bytes(plan: MemoryPlan, w: Workload, dev: Device, engine_weights: int, engine_act: int,
-              graphs: int, room: int) -> int:
-    """"auto": one round's sequences at full length, or what the generate phase leaves if less.
+def _kv_bytes(
+    plan: MemoryPlan,
+    w: Workload,
+    dev: Device,
+    engine_weights: int,
+    engine_act: int,
+    graphs: int,
+    room: int,
+) -> int:
+    """ "auto": one round's sequences at full length, or what the generate phase leaves if less.
     A share (vllm_gpu_memory_utilization): what the engine itself will size, `tandem.engine.memory`."""
     block = plan.kv_block_bytes
     need = (w.round_seqs * plan.blocks_per_seq + 1) * block
@@ -323,7 +409,10 @@ def _kv_bytes(plan: MemoryPlan, w: Workload, dev: Device, engine_weights: int, e
     if w.kv == "auto":
         return max(0, min(need, room) // block * block)
     if dev.type == "cpu":
-        return min(w.cpu_kv_cache_space // block, w.max_num_seqs * plan.engine_blocks_per_seq + 1) * block
+        return (
+            min(w.cpu_kv_cache_space // block, w.max_num_seqs * plan.engine_blocks_per_seq + 1)
+            * block
+        )
     share = float(w.kv) * dev.total - engine_weights - engine_act - graphs
     return max(0, int(share) // block * block)
 
@@ -337,13 +426,21 @@ def _reasons(plan: MemoryPlan, kept: int, redone: int) -> list[str]:
     w, usable = plan.work, plan.device.usable
     out = []
     if w.gradient_checkpointing is None:
-        out.append(f"recompute {'on' if plan.recompute else 'off'}: activations kept {size(kept)} "
-                   + ("do not fit" if plan.recompute else "fit") + f" (recomputed {size(redone)})")
+        out.append(
+            f"recompute {'on' if plan.recompute else 'off'}: activations kept {size(kept)} "
+            + ("do not fit" if plan.recompute else "fit")
+            + f" (recomputed {size(redone)})"
+        )
     else:
-        out.append(f"recompute {'on' if plan.recompute else 'off'}: gradient_checkpointing={w.gradient_checkpointing}")
+        out.append(
+            f"recompute {'on' if plan.recompute else 'off'}: gradient_checkpointing={w.gradient_checkpointing}"
+        )
     where = "in host memory" if plan.offload else "on the device"
-    forced = "optim_offload=" + str(w.optim_offload) if w.optim_offload is not None else (
-        "the device's does not fit" if plan.offload else "it fits")
+    forced = (
+        "optim_offload=" + str(w.optim_offload)
+        if w.optim_offload is not None
+        else ("the device's does not fit" if plan.offload else "it fits")
+    )
     out.append(f"optimizer {plan.optim}, its state {where} ({forced})")
     if w.colocated:
         need = (w.round_seqs * plan.blocks_per_seq + 1) * plan.kv_block_bytes
@@ -351,9 +448,14 @@ def _reasons(plan: MemoryPlan, kept: int, redone: int) -> list[str]:
         if w.kv_blocks is not None or w.kv_by_engine_args:
             out.append(f"KV cache {kv} (set by the engine's arguments)")
         elif w.kv == "auto":
-            short = "" if plan.kv_cache_bytes >= need else (
-                f", less than a full round's {size(need)}: sequences will wait their turn")
-            out.append(f"KV cache auto: {kv} ({w.round_seqs} sequences x {w.row_len} tokens{short})")
+            short = (
+                ""
+                if plan.kv_cache_bytes >= need
+                else (f", less than a full round's {size(need)}: sequences will wait their turn")
+            )
+            out.append(
+                f"KV cache auto: {kv} ({w.round_seqs} sequences x {w.row_len} tokens{short})"
+            )
         else:
             out.append(f"KV cache {kv} (vllm_gpu_memory_utilization={w.kv})")
     name = ("generate", "train", "optimizer step")[plan.totals().index(plan.peak)]
@@ -368,71 +470,3 @@ class MemoryPlanError(ValueError):
     def __init__(self, message: str, plan: MemoryPlan):
         super().__init__(message)
         self.plan = plan
-
-
-def smallest_change(sizes_for, work: Workload, device: Device) -> tuple[dict, MemoryPlan] | None:
-    """The least change of the user's own choices that fits: a smaller micro-batch (the same
-    global batch, more accumulation), then a lighter optimizer (8-bit, 4-bit AdamW), then both,
-    then a LoRA adapter; (GRPOConfig overrides, the plan) or None. `sizes_for(peft)`: the sizes
-    with or without a LoRA adapter."""
-    rows = [work.rows]
-    while rows[-1] > 1:
-        rows.append(rows[-1] // 2)
-    optims = [work.optim] + [o for o in ("adamw_torch_8bit", "adamw_torch_4bit")
-                             if work.optim in optim_mod.ADAMW_32BIT]
-    opened = dict(gradient_checkpointing=None if work.gradient_checkpointing is False else work.gradient_checkpointing,
-                  optim_offload=None if work.optim_offload is False else work.optim_offload,
-                  kv="auto" if work.colocated else work.kv)
-    sizes = sizes_for(work.peft)
-    for opt in optims:
-        for r in rows:
-            trial = replace(work, rows=r, optim=opt, **opened)
-            plan = plan_memory(sizes, trial, device)
-            if plan.fits:
-                return _overrides(work, trial, plan), plan
-    if not work.peft and work.shards == 1:
-        trial = replace(work, peft=True, reference=False, **opened)
-        plan = plan_memory(sizes_for(True), trial, device)
-        if plan.fits:
-            return {"peft_config": "LoraConfig(r=16, target_modules='all-linear')",
-                    **_overrides(work, trial, plan)}, plan
-    return None
-
-
-def _overrides(work: Workload, trial: Workload, plan: MemoryPlan) -> dict:
-    out = {}
-    if trial.rows != work.rows:
-        out["per_device_train_batch_size"] = trial.rows
-    if trial.optim != work.optim:
-        out["optim"] = trial.optim
-    if work.gradient_checkpointing is False and plan.recompute:
-        out["gradient_checkpointing"] = True
-    if work.optim_offload is False and plan.offload:
-        out["optim_offload"] = True
-    if work.kv != "auto" and trial.kv == "auto":
-        out["vllm_gpu_memory_utilization"] = "auto"
-    return out
-
-
-def refusal(plan: MemoryPlan, change: tuple[dict, MemoryPlan] | None, what: str = "this run") -> str:
-    """The message of a plan that does not fit: what it needs, what the device has, what would fit."""
-    d = plan.device
-    src = f"from {BUDGET_ENV}" if d.budget_from_env else "free when the trainer started"
-    msg = [f"{what} does not fit on the {d.type} device: the plan's peak is {size(plan.peak)} but "
-           f"{size(d.usable)} are usable ({size(d.capacity)} {src}, less what a process and the "
-           "allocator keep)"]
-    if plan.host_total > d.host:
-        msg.append(f"host memory: {size(plan.host_total)} needed, {size(d.host)} available")
-    if not plan.kv_ok:
-        msg.append(f"the KV cache ({size(plan.kv_cache_bytes)}) cannot hold one sequence of "
-                   f"{plan.work.engine_len or plan.work.row_len} tokens")
-    if change is None:
-        msg.append("nothing tried fits (a smaller micro-batch, an 8-bit or 4-bit AdamW, LoRA): "
-                   "shard the model over more GPUs (fsdp=True under torchrun) or take a smaller one")
-    else:
-        overrides, fitting = change
-        parts = ", ".join(f"{k}={v!r}" if k != "peft_config" else f"{k}={v}" for k, v in overrides.items())
-        keep = (" (with gradient_accumulation_steps / steps_per_generation raised to keep the batch)"
-                if "per_device_train_batch_size" in overrides else "")
-        msg.append(f"smallest change that fits: {parts}{keep}, peak {fitting.peak / GIB:.2f} GiB")
-    return "; ".join(msg)

@@ -33,8 +33,9 @@ def _labels(plan: MemoryPlan) -> dict[str, str]:
         "gradients": f"gradients (fp32, {Pt} trainable{shard})",
         "optimizer step temporaries": "optimizer step temporaries",
         "activations": f"activations, {act} ({src}, {w.rows} x {w.row_len} tok)",
-        "backward workspace": "backward workspace (" + " / ".join(
-            f"{k} {size(v)}" for k, v in plan.backward_parts.items()) + ")",
+        "backward workspace": "backward workspace ("
+        + " / ".join(f"{k} {size(v)}" for k, v in plan.backward_parts.items())
+        + ")",
         "engine weights": f"engine weights ({engine})",
         "KV cache": f"KV cache ({plan.kv_cache_bytes // max(1, plan.kv_block_bytes):,} blocks)",
         "engine activations": "engine activations (profile pass)",
@@ -54,24 +55,36 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
 
     src = "TANDEM_MEMORY_BUDGET_GIB" if d.budget_from_env else "free"
     precision = "bf16 autocast" if w.bf16 else "fp32"
-    lines = [(f"{title or 'memory plan'}: {d.type} device {d.capacity / GIB:.2f} GiB ({src}), "
-              f"{d.usable / GIB:.2f} usable; {precision}, fp32 master weights"),
-             f"  {unit:<56s}" + "".join(f"{p:>9s}" for p in ("generate", "train", "opt.step"))]
+    lines = [
+        (
+            f"{title or 'memory plan'}: {d.type} device {d.capacity / GIB:.2f} GiB ({src}), "
+            f"{d.usable / GIB:.2f} usable; {precision}, fp32 master weights"
+        ),
+        f"  {unit:<56s}" + "".join(f"{p:>9s}" for p in ("generate", "train", "opt.step")),
+    ]
     for name, values in plan.rows.items():
         if all(v in (None, 0) for v in values):
             continue
         lines.append(f"  {labels.get(name, name):<56s}" + "".join(cell(v) for v in values))
     lines.append(f"  {'total':<56s}" + "".join(cell(v) for v in plan.totals()))
-    lines.append(f"  activations kept / recomputed: {plan.activations_kept / scale:.2f} / "
-                 f"{plan.activations_recomputed / scale:.2f} {unit}")
+    lines.append(
+        f"  activations kept / recomputed: {plan.activations_kept / scale:.2f} / "
+        f"{plan.activations_recomputed / scale:.2f} {unit}"
+    )
     if w.colocated:
         freed = plan.rows["engine weights"][0] + plan.kv_cache_bytes
         if w.sleep_level is None:
-            lines.append("  sleep mode off: the engine's weights and KV cache stay through training")
+            lines.append(
+                "  sleep mode off: the engine's weights and KV cache stay through training"
+            )
         else:
-            copy = " (level 1 keeps the weights in pinned host memory)" if w.sleep_level == 1 else ""
-            lines.append(f"  sleep level {w.sleep_level} frees the engine's weights and KV cache, "
-                         f"{freed / scale:.2f} {unit}, before training{copy}")
+            copy = (
+                " (level 1 keeps the weights in pinned host memory)" if w.sleep_level == 1 else ""
+            )
+            lines.append(
+                f"  sleep level {w.sleep_level} frees the engine's weights and KV cache, "
+                f"{freed / scale:.2f} {unit}, before training{copy}"
+            )
     for name, b in plan.host_rows.items():
         lines.append(f"  host: {name} {size(b)}")
     if plan.host_rows:
@@ -85,7 +98,10 @@ def format_measured(metrics: dict) -> str:
     totals (`memory/plan_<phase>_gib`), in GiB."""
     lines = [f"  {'GiB':<16s}{'plan':>9s}{'peak':>9s}{'reserved':>9s}{'peak/plan':>10s}"]
     for key, name in zip(("generate", "train", "optimizer_step"), PHASES):
-        peak, reserved = metrics.get(f"memory/{key}_peak_gib"), metrics.get(f"memory/{key}_reserved_gib")
+        peak, reserved = (
+            metrics.get(f"memory/{key}_peak_gib"),
+            metrics.get(f"memory/{key}_reserved_gib"),
+        )
         want = metrics.get(f"memory/plan_{key}_gib")
         if peak is None and want is None:
             continue

@@ -58,8 +58,14 @@ class ModelSizes:
         layer's fp32 input only (4D). Either way the final norm (8D + 4); without recompute RoPE's
         cos and sin once (8E). Fixed: autocast's bf16 copies of the linear weights (2 bytes each),
         saved by the matmuls that use them (the fp32 weights themselves are resident anyway)."""
-        D, I, H, K, E, L = (self.hidden, self.intermediate, self.num_heads, self.num_kv_heads,
-                            self.head_dim, self.num_layers)
+        D, I, H, K, E, L = (
+            self.hidden,
+            self.intermediate,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.num_layers,
+        )
         final = 8 * D + 4
         if recompute:
             return ActivationCost(per_token=L * 4 * D + final, fixed=0.0)
@@ -71,17 +77,22 @@ class ModelSizes:
         mlp = 4 * elem * I
         qk_norm = (6 if bf16 else 8) * (H + K) * E + 4 * (H + K) if self.qk_norm else 0
         layer = norms + inputs + attention + mlp + qk_norm
-        return ActivationCost(per_token=L * layer + final + 8 * E,
-                              fixed=2.0 * self.layer_linear_params if bf16 else 0.0,
-                              per_row_sq=float(L * elem) if masked else 0.0)
+        return ActivationCost(
+            per_token=L * layer + final + 8 * E,
+            fixed=2.0 * self.layer_linear_params if bf16 else 0.0,
+            per_row_sq=float(L * elem) if masked else 0.0,
+        )
 
     def one_layer(self, bf16: bool) -> ActivationCost:
         """One layer's share of the kept activations: what backward rematerialises at a time
         under recompute."""
         keep = self.activations(bf16, recompute=False)
         L = self.num_layers
-        return ActivationCost(per_token=(keep.per_token - 8 * self.hidden - 4 - 8 * self.head_dim) / L,
-                              fixed=keep.fixed / L, per_row_sq=keep.per_row_sq / L)
+        return ActivationCost(
+            per_token=(keep.per_token - 8 * self.hidden - 4 - 8 * self.head_dim) / L,
+            fixed=keep.fixed / L,
+            per_row_sq=keep.per_row_sq / L,
+        )
 
     def backward_workspace(self, bf16: bool) -> ActivationCost:
         """Backward's own buffers for one layer at a time: the MLP's [I] gradients (three live at
@@ -89,8 +100,9 @@ class ModelSizes:
         is added into `.grad` (under autocast a bf16 one and its fp32 cast)."""
         elem = 2 if bf16 else 4
         weight_grad = (6 if bf16 else 4) * self.largest_linear
-        return ActivationCost(per_token=3 * elem * self.intermediate + 8 * self.hidden,
-                              fixed=float(weight_grad))
+        return ActivationCost(
+            per_token=3 * elem * self.intermediate + 8 * self.hidden, fixed=float(weight_grad)
+        )
 
 
 def model_sizes(hf_config, peft_config=None) -> ModelSizes:
@@ -122,17 +134,24 @@ def sizes_of_model(model: torch.nn.Module) -> ModelSizes:
             unique.append(p)
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight
-    linears = [m.weight for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"]
+    linears = [
+        m.weight
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"
+    ]
     H = cfg.num_attention_heads
     return ModelSizes(
         num_params=sum(p.numel() for p in unique),
         trainable_numels=tuple(p.numel() for p in unique if p.requires_grad),
         layer_linear_params=sum(w.numel() for w in linears),
         largest_linear=max((w.numel() for w in linears), default=0),
-        num_layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
-        num_heads=H, num_kv_heads=getattr(cfg, "num_key_value_heads", None) or H,
+        num_layers=cfg.num_hidden_layers,
+        hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size,
+        num_heads=H,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or H,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // H,
-        vocab=cfg.vocab_size, tied=bool(tied),
+        vocab=cfg.vocab_size,
+        tied=bool(tied),
         qk_norm=any(name.endswith("q_norm") for name, _ in model.named_modules()),
     )

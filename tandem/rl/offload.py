@@ -37,8 +37,15 @@ def staging_bytes(numels: list[int], chunk: int = CHUNK_ELEMENTS) -> int:
 class HostOffloadAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update with exp_avg / exp_avg_sq in host memory (fp32)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, chunk_elements: int = CHUNK_ELEMENTS):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        chunk_elements: int = CHUNK_ELEMENTS,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.chunk = chunk_elements
         self._slots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -56,7 +63,9 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         if self._slots is None:
             n = min(self.chunk, max(p.numel() for g in self.param_groups for p in g["params"]))
             pin = device.type == "cuda"
-            self._slots = [(torch.empty(n, pin_memory=pin), torch.empty(n, pin_memory=pin)) for _ in range(2)]
+            self._slots = [
+                (torch.empty(n, pin_memory=pin), torch.empty(n, pin_memory=pin)) for _ in range(2)
+            ]
             if pin:
                 self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._slots
@@ -74,8 +83,10 @@ class HostOffloadAdamW(torch.optim.Optimizer):
                     continue
                 state = self._state(p)
                 state["step"] += 1
-                chunks += [(group, p, state, s, min(s + self.chunk, p.numel()))
-                           for s in range(0, p.numel(), self.chunk)]
+                chunks += [
+                    (group, p, state, s, min(s + self.chunk, p.numel()))
+                    for s in range(0, p.numel(), self.chunk)
+                ]
         if chunks:
             self._run(chunks, chunks[0][1].device)
         return loss
@@ -113,11 +124,21 @@ class HostOffloadAdamW(torch.optim.Optimizer):
             if cuda:
                 arrived[i % 2].synchronize()
             beta1, beta2 = group["betas"]
-            torch._fused_adamw_([p_buf[: e - s]], [g_buf[: e - s]], [state["exp_avg"].view(-1)[s:e]],
-                                [state["exp_avg_sq"].view(-1)[s:e]], [], [state["step"]],
-                                lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                                weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
-                                maximize=False)
+            torch._fused_adamw_(
+                [p_buf[: e - s]],
+                [g_buf[: e - s]],
+                [state["exp_avg"].view(-1)[s:e]],
+                [state["exp_avg_sq"].view(-1)[s:e]],
+                [],
+                [state["step"]],
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
             if not cuda:
                 p.detach().view(-1)[s:e].copy_(p_buf[: e - s])
                 continue
@@ -136,16 +157,28 @@ class HostOffloadAdamW(torch.optim.Optimizer):
         first move them to the parameters' device: 8 B a parameter there, the memory offload
         saves)."""
         groups, saved = self.param_groups, state_dict["param_groups"]
-        if len(groups) != len(saved) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved)):
-            raise ValueError("the optimizer state dict has other parameter groups than this optimizer")
+        if len(groups) != len(saved) or any(
+            len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved)
+        ):
+            raise ValueError(
+                "the optimizer state dict has other parameter groups than this optimizer"
+            )
         by_id = {old: p for g, s in zip(groups, saved) for old, p in zip(s["params"], g["params"])}
         self.state = defaultdict(dict)
         for key, values in state_dict["state"].items():
             p = by_id[key]
             self.state[p] = {
                 "step": torch.as_tensor(values["step"], dtype=torch.float32).clone(),
-                "exp_avg": values["exp_avg"].detach().to("cpu", torch.float32).reshape(p.shape).clone(),
-                "exp_avg_sq": values["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(p.shape).clone(),
+                "exp_avg": values["exp_avg"]
+                .detach()
+                .to("cpu", torch.float32)
+                .reshape(p.shape)
+                .clone(),
+                "exp_avg_sq": values["exp_avg_sq"]
+                .detach()
+                .to("cpu", torch.float32)
+                .reshape(p.shape)
+                .clone(),
             }
         for g, s in zip(groups, saved):
             g.update({k: v for k, v in s.items() if k != "params"})

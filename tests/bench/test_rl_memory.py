@@ -18,9 +18,15 @@ def test_plan_only_sizes_7b_and_14b_without_allocating_them():
                   "--num-generations", "8", "--memory-budget-gib", "139.8"])
     """)
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True).stdout
-    peak_gib = max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2**20  # KiB on Linux
-    assert peak_gib < 3, f"the plan-only process peaked at {peak_gib:.1f} GiB"  # a 7B in fp32 is 28 GiB
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    peak_gib = (
+        max(before, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 2**20
+    )  # KiB on Linux
+    assert peak_gib < 3, (
+        f"the plan-only process peaked at {peak_gib:.1f} GiB"
+    )  # a 7B in fp32 is 28 GiB
     seven, fourteen = (json.loads(line) for line in out.splitlines() if line.startswith("{"))
     assert "memory plan (qwen2.5-7b)" in out and seven["fits"] and seven["recompute"]
     assert seven["params"] == 7_615_616_512 and seven["optim"] == "adamw_torch_fused"

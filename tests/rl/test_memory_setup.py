@@ -49,16 +49,26 @@ def same_run(trainer, roomy, atol=1e-6):
 
 def test_a_tight_budget_recomputes_with_the_same_result(tmp_path, monkeypatch, roomy):
     plan = roomy[0]
-    budget_between(monkeypatch, variant(plan, gradient_checkpointing=True, optim_offload=False).peak, plan.peak)
+    budget_between(
+        monkeypatch, variant(plan, gradient_checkpointing=True, optim_offload=False).peak, plan.peak
+    )
     tight = make_trainer(tmp_path, **OPEN)
-    assert tight.memory_plan.recompute and not tight.memory_plan.offload and is_recomputing(tight.model)
+    assert (
+        tight.memory_plan.recompute
+        and not tight.memory_plan.offload
+        and is_recomputing(tight.model)
+    )
     same_run(tight, roomy)
 
 
 def test_a_tighter_budget_offloads_adamw_with_the_same_result(tmp_path, monkeypatch, roomy):
     plan = roomy[0]
     on_device = variant(plan, gradient_checkpointing=True, optim_offload=False)
-    budget_between(monkeypatch, variant(plan, gradient_checkpointing=True, optim_offload=True).peak, on_device.peak)
+    budget_between(
+        monkeypatch,
+        variant(plan, gradient_checkpointing=True, optim_offload=True).peak,
+        on_device.peak,
+    )
     tight = make_trainer(tmp_path, **OPEN)
     assert tight.memory_plan.offload and isinstance(tight.optimizer, HostOffloadAdamW)
     assert tight.memory_plan.rows["optimizer state"] == (0, 0, 0) and tight.memory_plan.host_rows
@@ -81,20 +91,37 @@ def test_a_budget_short_of_a_full_round_shrinks_the_kv_cache(tmp_path, monkeypat
 
 def test_a_lighter_optimizer_forced_runs(tmp_path, roomy):
     pytest.importorskip("torchao")
-    trainer = make_trainer(tmp_path, max_steps=1, gradient_checkpointing=None, optim="adamw_torch_4bit")
+    trainer = make_trainer(
+        tmp_path, max_steps=1, gradient_checkpointing=None, optim="adamw_torch_4bit"
+    )
     assert type(trainer.optimizer).__name__ == "AdamW4bit"
     assert trainer.memory_plan.rows["optimizer state"][0] < roomy[0].rows["optimizer state"][0]
-    assert trainer.step()["loss"] == pytest.approx(roomy[1][0]["loss"], abs=1e-6)  # before any update
+    assert trainer.step()["loss"] == pytest.approx(
+        roomy[1][0]["loss"], abs=1e-6
+    )  # before any update
 
 
 def test_a_budget_nothing_fits_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     make_tiny_model("llama").config.save_pretrained(tmp_path)  # a config, no weights, no tokenizer
     monkeypatch.setenv(BUDGET_ENV, "0.0001")
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
-                      max_completion_length=4, max_prompt_length=16, report_to="none", use_cpu=True)
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        num_generations=2,
+        per_device_train_batch_size=2,
+        max_completion_length=4,
+        max_prompt_length=16,
+        report_to="none",
+        use_cpu=True,
+    )
     with pytest.raises(MemoryPlanError, match=r"does not fit on the cpu device.*[GM]iB are usable"):
         GRPOTrainer(str(tmp_path), target_share, args, Dataset.from_dict({"prompt": ["a", "b"]}))
     monkeypatch.setenv(BUDGET_ENV, "lots")
     with pytest.raises(ValueError, match="TANDEM_MEMORY_BUDGET_GIB='lots'"):
-        GRPOTrainer(make_tiny_model("llama"), target_share, args, Dataset.from_dict({"prompt": ["a"]}),
-                    processing_class=make_tokenizer(), engine_kwargs={"device": "cpu"})
+        GRPOTrainer(
+            make_tiny_model("llama"),
+            target_share,
+            args,
+            Dataset.from_dict({"prompt": ["a"]}),
+            processing_class=make_tokenizer(),
+            engine_kwargs={"device": "cpu"},
+        )

@@ -12,8 +12,12 @@ def _pair(chunk: int):
     a = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 5))
     b = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.Linear(20, 5))
     b.load_state_dict(a.state_dict())
-    return (a, HostOffloadAdamW(a.parameters(), lr=1e-2, weight_decay=0.1, chunk_elements=chunk),
-            b, torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, fused=True))
+    return (
+        a,
+        HostOffloadAdamW(a.parameters(), lr=1e-2, weight_decay=0.1, chunk_elements=chunk),
+        b,
+        torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, fused=True),
+    )
 
 
 def _steps(a, oa, b, ob, n=4):
@@ -26,7 +30,9 @@ def _steps(a, oa, b, ob, n=4):
 
 
 def test_it_is_adamws_fused_update():
-    a, oa, b, ob = _pair(chunk=1 << 20)  # one chunk a tensor: the very kernel AdamW(fused=True) runs
+    a, oa, b, ob = _pair(
+        chunk=1 << 20
+    )  # one chunk a tensor: the very kernel AdamW(fused=True) runs
     _steps(a, oa, b, ob)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
@@ -45,7 +51,9 @@ def test_its_state_dict_is_adamws_and_stays_on_the_host():
     for i, p in enumerate(a.parameters()):
         assert oa.state[p]["exp_avg"].device.type == "cpu"
         torch.testing.assert_close(oa.state[p]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"])
-    ob.load_state_dict(copy.deepcopy(oa.state_dict()))  # as from a file: AdamW takes tensors as they are
+    ob.load_state_dict(
+        copy.deepcopy(oa.state_dict())
+    )  # as from a file: AdamW takes tensors as they are
     _steps(a, oa, b, ob, n=2)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
