@@ -232,6 +232,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--gpu-memory-utilization", type=float_or_word, default=d.gpu_memory_utilization,
                    help="the colocated engine's share of GPU memory, or auto: the trainer's memory plan "
                    "sizes its KV cache (default: auto)")
+    p.add_argument("--optim", default=d.optim,
+                   help="the trainer's optimizer, by transformers' name (adamw_torch_8bit / adamw_torch_4bit: "
+                   "torchao's quantised AdamW, for the largest models; default: %(default)s)")
     p.add_argument("--plan-only", action="store_true",
                    help="print the trainer's memory plan for this workload (bytes per phase, the choices, "
                    "or the smallest change that fits) and stop: nothing is loaded or allocated")

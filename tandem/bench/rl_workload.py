@@ -30,6 +30,7 @@ class RLBenchConfig:
     cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
     sleep_level: int = 2  # GRPOConfig.engine_sleep_level: the trainer brings the weights back
     gradient_checkpointing: bool | None = None  # None: the trainer's memory plan decides
+    optim: str = "adamw_torch_fused"  # GRPOConfig.optim: adamw_torch_8bit / _4bit for the largest models
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
     seed: int = 0
     plan_only: bool = False  # print the trainer's memory plan for the workload; load and run nothing
@@ -105,5 +106,5 @@ def batching(cfg: RLBenchConfig) -> dict:
         "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
         "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
         "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
-        "seed": cfg.seed, "max_steps": cfg.steps + 1, "logging_steps": 1,
+        "seed": cfg.seed, "max_steps": cfg.steps + 1, "logging_steps": 1, "optim": cfg.optim,
     } | ({} if cfg.gradient_checkpointing is None else {"gradient_checkpointing": cfg.gradient_checkpointing})

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tandem.rl import optim as optim_mod
-from tandem.rl.memory_plan import BUDGET_ENV, Device, MemoryPlan, Workload, plan_memory, size
+from tandem.rl.memory_plan import BUDGET_ENV, GIB, Device, MemoryPlan, Workload, plan_memory, size
 
 
 def smallest_change(sizes_for, work: Workload, device: Device) -> tuple[dict, MemoryPlan] | None:
