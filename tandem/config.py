@@ -39,6 +39,9 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     sleep_mode_backend: str = "auto"  # auto | cumem (stable addresses) | recapture (realloc + graphs)
     num_gpu_blocks_override: int | None = None
+    # The KV cache's size in bytes, instead of sizing it from gpu_memory_utilization (vLLM's name):
+    # a colocated trainer's memory plan knows what the optimizer state will take later.
+    kv_cache_memory_bytes: int | None = None
     cpu_kv_cache_space_gib: float = 4.0  # KV cache size when running on a CPU (vLLM's default)
     # Steps of up to this many tokens (prefill chunks and decode rows mixed) replay CUDA graphs,
     # one per size of a token ladder; larger steps run eagerly. Decode steps have their own
@@ -111,6 +114,9 @@ class EngineConfig:
                 "a sharded layer's all-reduce sums in its own order")
         self.num_gpu_blocks_override = check_int(
             "num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True
+        )
+        self.kv_cache_memory_bytes = check_int(
+            "kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True
         )
         self.cpu_kv_cache_space_gib = check_float(
             "cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib, 0.0, 1e6, lo_open=True

@@ -66,6 +66,7 @@ ENGINE = {
     "enable_sleep_mode": _bool(),
     "sleep_mode_backend": _choice("auto", "cumem", "recapture"),
     "num_gpu_blocks_override": _int(1, optional=True),
+    "kv_cache_memory_bytes": _int(1, optional=True),
     "cpu_kv_cache_space_gib": _float(0.0, 1e6, lo_open=True),
     "max_cudagraph_capture_size": _int(0, _COUNT),
     "logprobs_mode": _choice("raw_logprobs", "processed_logprobs"),

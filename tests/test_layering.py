@@ -23,6 +23,10 @@ APPS = {"rl", "serve", "bench"}
 PUBLIC = {
     ("bench", "tandem.rl", frozenset({"GRPOConfig", "GRPOTrainer"})),  # bench rl times the trainer
     ("bench", "tandem.rl.trainer", frozenset({"PHASES"})),  # the step's phases, in order
+    # bench rl plans (`--plan-only`) and reports memory as the trainer does
+    ("bench", "tandem.rl.memory_plan", frozenset({"BUDGET_ENV", "GIB", "MemoryPlan", "MemoryPlanError"})),
+    ("bench", "tandem.rl.memory_setup", frozenset({"plan_before_loading"})),
+    ("bench", "tandem.rl.memory_table", frozenset({"format_measured"})),
     ("rl", "tandem.bench.report", frozenset({"pyplot", "save_figure"})),  # plotting helpers
 }
 

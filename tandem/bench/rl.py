@@ -24,6 +24,8 @@ from tandem.bench.rl_workload import (
     RLBenchConfig,
     batching,
     even_token_reward,
+    float_or_word,
+    grpo_kwargs,
     model_and_data,
 )
 from tandem.bench.roofline import device_ceilings
@@ -31,22 +33,17 @@ from tandem.bench.roofline import device_ceilings
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
     from tandem.bench.gpu_monitor import GpuMonitor
+    from tandem.bench.rl_memory import ENGINE_KWARGS, peft_config_of, plan_for
     from tandem.rl import GRPOConfig, GRPOTrainer
     from tandem.rl.trainer import PHASES
 
+    plan_for(cfg)  # from the config: a workload that cannot fit is refused before the model is built
     model, tok, data = model_and_data(cfg)
-    args = GRPOConfig(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
-                      max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
-                      **batching(cfg))
-    peft_config = None
-    if cfg.lora_r:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=2 * cfg.lora_r, target_modules="all-linear")
+    args = GRPOConfig(**grpo_kwargs(cfg))
+    peft_config = peft_config_of(cfg)
     torch.cuda.reset_peak_memory_stats()
     trainer = GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
-                          engine_kwargs={"max_num_seqs": 256}, peft_config=peft_config)
+                          engine_kwargs=dict(ENGINE_KWARGS), peft_config=peft_config)
     trainer.step()  # warm-up
     steps, spans = [], []
     with GpuMonitor() as mon:
@@ -71,6 +68,7 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     out["peak_flops"] = peak
     out["train_mfu"] = 6 * n_params * train_tokens / out["breakdown_s"]["train"] / peak if peak else None
     out["train_memory"] = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")}
+    out["memory_plan"] = trainer.memory_plan.format("memory plan")
     out["engine_memory"] = trainer.llm.memory_report()
     out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # trainer + engine
     del trainer, model
@@ -128,6 +126,16 @@ def _summary(steps: list[dict], cfg: RLBenchConfig) -> dict:
 def run(cfg: RLBenchConfig) -> dict:
     from tandem.bench.report import finish, make_report
 
+    if cfg.memory_budget_gib is not None:  # the plan's (and the trainer's) device capacity
+        import os
+
+        from tandem.rl.memory_plan import BUDGET_ENV
+
+        os.environ[BUDGET_ENV] = str(cfg.memory_budget_gib)
+    if cfg.plan_only:
+        from tandem.bench.rl_memory import plan_only
+
+        return plan_only(cfg)
     if set(cfg.compare.split(",")) & {"colocate", "server"}:
         from tandem.bench.rl_modes import run_modes
 
@@ -164,12 +172,16 @@ def run(cfg: RLBenchConfig) -> dict:
         print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results["tandem"]["breakdown_s"].items()))
         t = results["tandem"]
         mem = t.get("train_memory", {})
-        plan = f", plan {mem['memory/train_plan_gib']:.1f}" if "memory/train_plan_gib" in mem else ""
+        plan = f", plan {mem['memory/plan_train_gib']:.1f}" if "memory/plan_train_gib" in mem else ""
         mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x tokens / {t['peak_flops'] / 1e12:.0f} "
                "TFLOP/s)" if t["train_mfu"] is not None else "MFU unknown (this GPU's peak is not known)")
         print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s, {mfu}, recompute "
               f"{'on' if mem.get('memory/recompute') else 'off'}; peak {mem.get('memory/train_peak_gib', 0):.1f} GiB"
               f"{plan} (resident {mem.get('memory/train_resident_gib', 0):.1f})")
+        from tandem.rl.memory_table import format_measured
+
+        print("tandem memory per phase (GiB), the plan's steady state beside the timed steps' medians:")
+        print(format_measured(mem))
         by_phase = {k: v for k, v in results["tandem"]["gpu_util_by_phase"].items() if v is not None}
         if by_phase:
             print("tandem GPU utilization by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in by_phase.items()))
@@ -217,8 +229,18 @@ def add_parser(subparsers) -> None:
               "sleep_level", "seed", "lora_r"):
         p.add_argument("--" + f.replace("_", "-"), type=int, default=None if f in CPU_SIZES else getattr(d, f),
                        help=_help(f, d))
-    p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="the colocated engine's share of GPU memory")
+    p.add_argument("--gpu-memory-utilization", type=float_or_word, default=d.gpu_memory_utilization,
+                   help="the colocated engine's share of GPU memory, or auto: the trainer's memory plan "
+                   "sizes its KV cache (default: auto)")
+    p.add_argument("--optim", default=d.optim,
+                   help="the trainer's optimizer, by transformers' name (adamw_torch_8bit / adamw_torch_4bit: "
+                   "torchao's quantised AdamW, for the largest models; default: %(default)s)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="print the trainer's memory plan for this workload (bytes per phase, the choices, "
+                   "or the smallest change that fits) and stop: nothing is loaded or allocated")
+    p.add_argument("--memory-budget-gib", type=float, default=None,
+                   help="the device capacity the memory plan assumes (TANDEM_MEMORY_BUDGET_GIB; default: "
+                   "what the GPU has free; --plan-only without a GPU needs it)")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    default=d.gradient_checkpointing,
                    help="force recompute on or off (default: tandem's memory plan decides; TRL recomputes)")

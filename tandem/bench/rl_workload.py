@@ -24,14 +24,17 @@ class RLBenchConfig:
     compare: str = ""  # "trl", or "colocate,server" (rl_modes.py)
     device: str = "cuda"  # colocate,server only: "cpu" runs both modes on gloo ranks and a CPU server
     fsdp: bool = False  # colocate mode: the ranks shard with FSDP2 instead of keeping replicas
-    gpu_memory_utilization: float = 0.35
+    gpu_memory_utilization: float | str = "auto"  # the trainer's memory plan sizes the KV cache
     server_gpu_memory_utilization: float = 0.9  # server mode: the server has its GPU to itself
     server_timeout_s: float = 600.0  # for `tandem serve` to load and listen
     cpu_kv_cache_space_gib: float = 1.0  # --device cpu: each engine's KV cache
     sleep_level: int = 2  # GRPOConfig.engine_sleep_level: the trainer brings the weights back
     gradient_checkpointing: bool | None = None  # None: the trainer's memory plan decides
+    optim: str = "adamw_torch_fused"  # GRPOConfig.optim: adamw_torch_8bit / _4bit for the largest models
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
     seed: int = 0
+    plan_only: bool = False  # print the trainer's memory plan for the workload; load and run nothing
+    memory_budget_gib: float | None = None  # the device's capacity for the plan (TANDEM_MEMORY_BUDGET_GIB)
     output: str | None = None
     print_json: bool = False  # end stdout with the report's JSON line
 
@@ -39,6 +42,14 @@ class RLBenchConfig:
 # `--device cpu`: a workload a laptop finishes in a minute or two (grpo-1.5b needs ~50 GB there)
 CPU_SIZES = dict(model="smollm2-135m", num_prompts=4, num_generations=2, prompt_len=16,
                  completion_len=16, micro_batch=4, steps=2, cpu_kv_cache_space_gib=0.25)
+
+
+def float_or_word(text: str) -> float | str:
+    """A share, or a word such as "auto"."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def even_token_reward(completions, **kwargs):
@@ -81,11 +92,19 @@ def model_and_data(cfg: RLBenchConfig):
     return model, tok, Dataset.from_dict({"prompt": prompts})
 
 
+def grpo_kwargs(cfg: RLBenchConfig) -> dict:
+    """The GRPOConfig of the colocated tandem run."""
+    return dict(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
+                max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
+                engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
+                **batching(cfg))
+
+
 def batching(cfg: RLBenchConfig) -> dict:
     per_step = cfg.num_prompts * cfg.num_generations
     return {
         "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
         "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
         "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
-        "seed": cfg.seed, "max_steps": cfg.steps + 1, "logging_steps": 1,
+        "seed": cfg.seed, "max_steps": cfg.steps + 1, "logging_steps": 1, "optim": cfg.optim,
     } | ({} if cfg.gradient_checkpointing is None else {"gradient_checkpointing": cfg.gradient_checkpointing})

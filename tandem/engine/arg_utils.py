@@ -30,6 +30,8 @@ _HELP = {
     "sleep_mode_backend": "auto | cumem (stable addresses) | recapture (reallocate, capture graphs "
     "again)",
     "num_gpu_blocks_override": "KV-cache blocks to allocate, instead of sizing them from memory",
+    "kv_cache_memory_bytes": "the KV cache's size in bytes, instead of sizing it from "
+    "gpu_memory_utilization",
     "cpu_kv_cache_space_gib": "KV-cache size on a CPU, at most (it never exceeds what max_num_seqs "
     "sequences of max_model_len tokens need)",
     "logprobs_mode": "raw_logprobs (the model's) | processed_logprobs (after temperature, top-k/p)",

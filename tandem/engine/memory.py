@@ -51,6 +51,8 @@ def determine_num_blocks(
     profile = None
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
+    elif config.kv_cache_memory_bytes is not None and device.type != "cuda":
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
     elif device.type == "cuda":
         num_blocks, profile = _profile_gpu_blocks(config, model, block_bytes, device, max_model_len)
     else:
@@ -62,7 +64,8 @@ def determine_num_blocks(
             f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one "
             f"sequence of max_model_len={max_model_len} tokens; lower max_model_len to at most "
             f"{num_blocks * config.block_size} or give the cache more memory "
-            "(gpu_memory_utilization / cpu_kv_cache_space_gib / num_gpu_blocks_override)"
+            "(gpu_memory_utilization / kv_cache_memory_bytes / cpu_kv_cache_space_gib / "
+            "num_gpu_blocks_override)"
         )
     return num_blocks, profile
 
@@ -104,6 +107,8 @@ def _profile_gpu_blocks(
     # an upper bound that costs a percent or two of the cache.
     graphs = activation_peak if not config.enforce_eager else 0
     budget = total * config.gpu_memory_utilization - weights - activation_peak - graphs
+    if config.kv_cache_memory_bytes is not None:  # sized by the caller (vLLM's kv_cache_memory_bytes)
+        budget = config.kv_cache_memory_bytes
     # Never plan on more than is free now (a colocated trainer or a peer model holds the rest).
     kv_bytes = min(budget, free - activation_peak - graphs - (256 << 20))
     profile = {"weights_bytes": weights, "activation_peak_bytes": activation_peak,

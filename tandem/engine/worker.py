@@ -195,8 +195,12 @@ class Worker:
         kv_store = self.model_runner.kv_store
         weights = self.weight_store.nbytes if self.weight_store.resident else 0
         kv = kv_store.nbytes if kv_store.resident else 0
+        # CUDA virtual memory (cumem) is mapped outside torch's allocator: its statistics miss it
+        vmm = weights + kv if self.use_cumem else 0
+        vmm_awake = self.weight_store.nbytes + kv_store.nbytes if self.use_cumem else 0
         report = {"weights_bytes": weights, "kv_cache_bytes": kv, "cuda_graphs_bytes": 0,
-                  "other_bytes": None, "free_bytes": None, "sleep_level": self.sleep_level}
+                  "other_bytes": None, "free_bytes": None, "sleep_level": self.sleep_level,
+                  "vmm_bytes": vmm, "vmm_awake_bytes": vmm_awake}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             allocated = torch.cuda.memory_allocated(self.device)

@@ -13,8 +13,16 @@ PRESETS: dict[str, dict] = {
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(_QWEN25, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+    "qwen2.5-7b": dict(_QWEN25, vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+    # The largest that train colocated on one GPU (docs/rl.md, "Memory"): the 7B fits in full
+    # fine-tune with AdamW; the 14B and 32B need a lighter optimizer or LoRA.
+    "qwen2.5-14b": dict(_QWEN25, vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(_QWEN25, vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -27,6 +35,8 @@ ALIASES = {
     "qwen/qwen2.5-0.5b": "qwen2.5-0.5b", "qwen/qwen2.5-0.5b-instruct": "qwen2.5-0.5b",
     "qwen/qwen2.5-1.5b": "qwen2.5-1.5b", "qwen/qwen2.5-1.5b-instruct": "qwen2.5-1.5b",
     "qwen/qwen2.5-7b": "qwen2.5-7b", "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen2.5-14b": "qwen2.5-14b", "qwen/qwen2.5-14b-instruct": "qwen2.5-14b",
+    "qwen/qwen2.5-32b": "qwen2.5-32b", "qwen/qwen2.5-32b-instruct": "qwen2.5-32b",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
 }
 

@@ -76,7 +76,9 @@ FIELD_HELP = {
     "vllm_mode": "colocate (the engine in this process) | server (a `tandem serve` elsewhere)",
     "vllm_server_base_url": "--vllm-mode server: the server's URL",
     "vllm_server_api_key": "--vllm-mode server: its API key",
-    "vllm_gpu_memory_utilization": "share of GPU memory the colocated engine may take",
+    "vllm_gpu_memory_utilization": "auto (the memory plan sizes the KV cache) or the share of GPU "
+    "memory the colocated engine may take",
+    "optim_offload": "AdamW's state and step in host memory (--no-optim-offload: never)",
     "vllm_enable_sleep_mode": "the engine sleeps while the trainer steps",
     "engine_sleep_level": "1: free the KV cache; 2: also drop engine-only weight copies",
     "vllm_tensor_parallel_size": "GPUs the engine shards the model over",
@@ -91,7 +93,8 @@ FIELD_HELP = {
     "run_name": "a name for the run (kept in the config)",
     "use_cpu": "train on the CPU even where there is a GPU",
     "trust_remote_code": "allow a model dir's own Python code",
-    "optim": "adamw_torch | adamw_torch_fused | adamw_hf | sgd | adagrad | rmsprop",
+    "optim": "adamw_torch | adamw_torch_fused | adamw_hf | sgd | adagrad | rmsprop | adamw_torch_8bit | "
+    "adamw_torch_4bit (torchao) | adamw_bnb_8bit | paged_adamw_8bit (bitsandbytes)",
     "warmup_steps": "learning-rate warm-up steps",
     "disable_dropout": "turn the model's dropout off",
     "padding_free": "pack each micro-batch's rows into one sequence: no FLOP on padding",
@@ -111,7 +114,8 @@ FIELD_HELP = {
 }
 
 
-NONE_MEANS = {"gradient_checkpointing": "the trainer's memory plan decides"}
+NONE_MEANS = {"gradient_checkpointing": "the trainer's memory plan decides",
+              "optim_offload": "the trainer's memory plan decides"}
 
 
 def _default_text(name: str, default) -> str:
@@ -128,7 +132,16 @@ def _default_text(name: str, default) -> str:
 
 def _type_of(tp):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if float in args and str in args:  # a share or a word ("auto")
+        return float_or_word
     return (args[0] if args else tp) if typing.get_origin(tp) else tp
+
+
+def float_or_word(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def add_subcommands(sub) -> None:
@@ -165,7 +178,7 @@ def add_subcommands(sub) -> None:
         help_ = f"{text} {_default_text(f.name, f.default)}"
         if tp is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        elif tp in (int, float, str):
+        elif tp in (int, float, str, float_or_word):
             p.add_argument(flag, type=tp, default=None, help=help_)
     p.set_defaults(func=_main)
 

@@ -22,7 +22,9 @@ VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_
 LR_SCHEDULERS = ("constant", "linear", "cosine", "constant_with_warmup", "cosine_with_restarts",
                  "polynomial", "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
                  "warmup_stable_decay")
-OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "sgd", "adagrad", "rmsprop")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw", "sgd", "adagrad", "rmsprop",
+              # lighter state (transformers' names): torchao's, bitsandbytes' (`tandem.rl.optim`)
+              "adamw_torch_8bit", "adamw_torch_4bit", "adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit")
 VLLM_MODES = ("colocate", "server")
 REPORT_TO = ("jsonl", "tensorboard")
 STRATEGIES = ("no", "steps", "epoch")  # logging / eval / save, as transformers names them
@@ -81,6 +83,9 @@ class GRPOConfig:
     # Optimiser and schedule.
     learning_rate: float = 1e-6
     optim: str = "adamw_torch_fused"  # transformers' default; fused on CUDA (no full-size temporaries)
+    # AdamW's state and step in host memory (`tandem.rl.offload`): 8 B a parameter less on the
+    # device, the same arithmetic. None: only where the memory plan finds it does not fit there.
+    optim_offload: bool | None = None
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict[str, Any] | None = None
     warmup_steps: int | float = 0  # >= 1: steps; in (0, 1): a share of the steps (transformers 5)
@@ -92,9 +97,8 @@ class GRPOConfig:
     max_grad_norm: float = 1.0  # 0 disables clipping
     # A step whose loss or gradient norm is not finite is skipped; this many in a row stop the run.
     max_consecutive_nonfinite_steps: int = 3
-    # None: recompute only when one micro-batch's activations do not fit in the memory free once the
-    # engine sleeps (`tandem.rl.memory_plan`, measured at the first training phase, logged);
-    # True / False force it.
+    # None: recompute only when one micro-batch's activations do not fit beside the rest of the
+    # training phase (`tandem.rl.memory_plan`, printed before the first step); True / False force it.
     gradient_checkpointing: bool | None = None
     bf16: bool | None = None  # None: bf16 where the device supports it, else fp32
     disable_dropout: bool = False
@@ -134,7 +138,9 @@ class GRPOConfig:
     vllm_server_host: str = "0.0.0.0"  # with vllm_server_port: the URL when base_url is None
     vllm_server_port: int = 8000
     vllm_server_api_key: str | None = None
-    vllm_gpu_memory_utilization: float = 0.3
+    # "auto": the KV cache one round needs, within what the generate phase leaves beside the
+    # trainer's weights and optimizer state (`tandem.rl.memory_plan`); a share in (0, 1]: vLLM's.
+    vllm_gpu_memory_utilization: float | str = "auto"
     vllm_enable_sleep_mode: bool = True
     engine_sleep_level: int = 2  # 1: free KV cache only; 2: also drop engine-only weight copies
     vllm_tensor_parallel_size: int = 1  # only 1 colocated (see _check_engine)
@@ -357,6 +363,13 @@ class GRPOConfig:
                 _choice_msg("optim", self.optim, OPTIMIZERS)
                 + "; for any other optimizer pass GRPOTrainer(optimizers=(optimizer, scheduler))"
             )
+        if self.optim_offload and self.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"):
+            raise ValueError(
+                f"optim_offload=True keeps AdamW's state in host memory; optim={self.optim!r} is not "
+                "a 32-bit AdamW (use adamw_torch_fused, or optim_offload=False)")
+        if self.optim_offload and self.fsdp:
+            raise ValueError("optim_offload=True runs on one GPU's full replica; with fsdp=True the "
+                             "shards already divide the optimizer state over the ranks")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.lr_scheduler_type not in LR_SCHEDULERS:
@@ -389,10 +402,11 @@ class GRPOConfig:
                 "fsdp=True shards the colocated data-parallel trainer (each rank's engine gathers "
                 "the weights); with vllm_mode='server' use fsdp=False"
             )
-        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+        util = self.vllm_gpu_memory_utilization
+        if util != "auto" and (isinstance(util, str | bool) or not 0.0 < util <= 1.0):
             raise ValueError(
-                "vllm_gpu_memory_utilization must be in (0, 1], got "
-                f"{self.vllm_gpu_memory_utilization}"
+                "vllm_gpu_memory_utilization must be 'auto' (the memory plan sizes the KV cache) "
+                f"or a share in (0, 1], got {util!r}"
             )
         if self.engine_sleep_level not in (1, 2):
             raise ValueError(

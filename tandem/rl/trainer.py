@@ -22,7 +22,7 @@ from tandem.engine.gc_pause import frozen_heap
 from tandem.models import hub
 from tandem.rl import callbacks as callbacks_mod
 from tandem.rl import checkpoint as ckpt
-from tandem.rl import lora
+from tandem.rl import lora, memory_setup
 from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
@@ -32,6 +32,7 @@ from tandem.rl.loss import (
     group_advantages,
     reward_metrics,
 )
+from tandem.rl.memory_stats import PeakMemory, engine_outside_bytes
 from tandem.rl.optim import build_optimizer, build_scheduler
 from tandem.rl.reward_models import prepare_reward_funcs
 from tandem.rl.rewards import RewardComputer, wrap_completions
@@ -77,26 +78,31 @@ class GRPOTrainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
         self.state = callbacks_mod.make_state(True, args.per_device_train_batch_size, args.num_train_epochs)
         self.control = callbacks_mod.make_control()
+        self.use_bf16 = args.bf16 if args.bf16 is not None else (
+            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        # Data parallel under torchrun: each rank trains a replica on its slice of every batch.
+        self.dist = DistributedContext.from_environment()
+        engine_kwargs = engine_kwargs or {}
+        # Planned from the config before anything loads: a run that cannot fit is refused here.
+        self.memory_plan = memory_setup.plan_before_loading(
+            self._model_source(model), args, peft_config, self._engine_settings(engine_kwargs), self.device,
+            self.use_bf16, self.dist.world_size if args.fsdp else 1, args.trust_remote_code)
         self.model, self.tokenizer = self._load_model(model, processing_class)
         if args.disable_dropout:
             _disable_dropout(self.model)
-        # Data parallel under torchrun: each rank trains a replica on its slice of every batch.
-        self.dist = DistributedContext.from_environment()
         self.dist.broadcast_params(self.model)
         self.train_dataset = load_prompt_dataset(train_dataset)
         self.eval_dataset = load_prompt_dataset(eval_dataset) if eval_dataset is not None else None
         self.rewards = RewardComputer(
             prepare_reward_funcs(reward_funcs, reward_processing_classes, self.device, args.trust_remote_code),
             args.reward_weights)
-        self.use_bf16 = args.bf16 if args.bf16 is not None else (
-            self.device.type == "cuda" and torch.cuda.is_bf16_supported())
         self._check_lengths()
         self.ref_model = None
         if args.beta != 0.0 and peft_config is None:  # with LoRA: the model, adapter disabled
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.llm = None
         if args.vllm_mode == "colocate":  # built from the full model, before any sharding
-            self.llm = self._build_engine(engine_kwargs or {})
+            self.llm = self._build_engine(engine_kwargs)
         if peft_config is not None:  # after the engine: it took the base weights (B = 0: merged)
             self._apply_peft(peft_config)
         self.strategy = make_strategy(args.fsdp, self.dist)  # replicas or FSDP2 shards, chosen once
@@ -105,7 +111,8 @@ class GRPOTrainer:
         if peft_config is not None:
             engine_weights = functools.partial(lora.merged_weights, self.model)
         optimizer, scheduler = optimizers if optimizers is not None else (None, None)
-        self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, args, self.device)
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(
+            self.model, args, self.device, offload=self.memory_plan.offload)
         self.sampler = RepeatSampler(len(self.train_dataset),
                                      batch_size=args.prompts_per_generation * self.dist.world_size,
                                      shuffle=args.shuffle_dataset,
@@ -133,12 +140,16 @@ class GRPOTrainer:
         if args.batch_invariant:  # the trainer's logprob values from the engine's kernels (scorer.py)
             from tandem.rl.scorer import BatchInvariantScorer
 
-            model = self.model
-            scorer = BatchInvariantScorer(model.config, self.llm.llm_engine.max_model_len, self.device,
-                                          engine_weights or (lambda: model.state_dict().items()),
+            policy = self.model
+            scorer = BatchInvariantScorer(policy.config, self.llm.llm_engine.max_model_len, self.device,
+                                          engine_weights or (lambda: policy.state_dict().items()),
                                           torch.bfloat16 if self.use_bf16 else torch.float32)
         self.update = PolicyUpdate(self.model, self.ref_model, self.optimizer, self.scheduler, self.strategy,
-                                   self.dist, args, self.device, self.use_bf16, scorer)
+                                   self.dist, args, self.device, self.use_bf16, self.memory_plan, scorer)
+        self.memory_plan = self.update.memory_plan  # with the activations measured on the model
+        if self.dist.is_main:  # on stdout, whatever the logging level: what the run will hold, and why
+            print(self.memory_plan.format(f"memory plan ({self._model_name(model)})"), flush=True)
+        self.peak_memory = PeakMemory(self.device)
         self.global_step = 0
         self.logger: MetricsLogger | None = None
         self.callback_handler = callbacks_mod.make_callback_handler(
@@ -166,6 +177,17 @@ class GRPOTrainer:
         self.callback_handler.remove_callback(callback)
 
     # -- setup ---------------------------------------------------------------------------------------
+    def _model_source(self, model):
+        """A model name resolved to its local dir; an in-memory model as it is."""
+        if isinstance(model, str) and not os.path.isdir(model) and hub.looks_like_repo_id(model):
+            return hub.snapshot_dir(model, (self.args.model_init_kwargs or {}).get("revision"))
+        return model
+
+    @staticmethod
+    def _model_name(model) -> str:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return str(name).rstrip("/").split("/")[-1] or "model"
+
     def _load_model(self, model, processing_class):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -174,9 +196,9 @@ class GRPOTrainer:
             for key in ("dtype", "torch_dtype"):  # fp32 master weights; bf16 by autocast
                 kwargs.pop(key, None)
             kwargs.setdefault("trust_remote_code", self.args.trust_remote_code)
-            path = model
-            if not os.path.isdir(model) and hub.looks_like_repo_id(model):
-                path = hub.snapshot_dir(model, kwargs.pop("revision", None))
+            path = self._model_source(model)
+            if path != model:
+                kwargs.pop("revision", None)  # the snapshot is that revision
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
         else:
             path = getattr(model.config, "_name_or_path", None)
@@ -213,19 +235,24 @@ class GRPOTrainer:
             return a.max_steps
         return max(1, int(a.num_train_epochs * self.sampler.batches_per_epoch * per_generation))
 
+    def _engine_settings(self, engine_kwargs: dict) -> dict:
+        """The colocated engine's settings, less its tokenizer and KV-cache size."""
+        a = self.args
+        return {
+            "dtype": "bfloat16" if self.use_bf16 else "float32",
+            "max_model_len": a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
+            "enable_sleep_mode": a.vllm_enable_sleep_mode, "seed": a.seed,
+            "logprobs_mode": "processed_logprobs", "max_num_seqs": max(8, a.generation_batch_size),
+            "batch_invariant": a.batch_invariant,
+            **engine_kwargs,
+        }
+
     def _build_engine(self, engine_kwargs: dict):
         from tandem import LLM
 
         a = self.args
-        kwargs = {
-            "tokenizer": self.tokenizer, "dtype": "bfloat16" if self.use_bf16 else "float32",
-            "max_model_len": a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
-            "gpu_memory_utilization": a.vllm_gpu_memory_utilization, "enable_sleep_mode": a.vllm_enable_sleep_mode,
-            "seed": a.seed, "logprobs_mode": "processed_logprobs", "max_num_seqs": max(8, a.generation_batch_size),
-            "batch_invariant": a.batch_invariant,
-        }
-        kwargs.update(engine_kwargs)
-        llm = LLM(self.model, **kwargs)
+        kv = memory_setup.engine_kv_kwargs(self.memory_plan, a, engine_kwargs)
+        llm = LLM(self.model, tokenizer=self.tokenizer, **kv, **self._engine_settings(engine_kwargs))
         if a.vllm_enable_sleep_mode:
             llm.sleep(a.engine_sleep_level)
         return llm
@@ -310,6 +337,7 @@ class GRPOTrainer:
         """One generation round and the optimizer steps it feeds; returns the logged metrics."""
         a = self.args
         marks = [time.perf_counter()]  # phase boundaries: weight sync | generate | reward | train
+        self.peak_memory.begin("generate", engine_outside_bytes(self.llm, awake=True))
         self.generator.sync()
         marks.append(time.perf_counter())
         indices = self.dist.shard(self.sampler.next_batch())  # this rank's prompts of the global batch
@@ -318,6 +346,7 @@ class GRPOTrainer:
         seed = (a.seed * 1_000_003 + self.global_step * 65_537) % (1 << 31)
         offset = self.dist.shard_offset(len(indices))
         rollout = self.generator.rollout(batch, a.num_generations, self.sampling_params, seed, offset)
+        self.peak_memory.end()
         marks.append(time.perf_counter())
         prompts = batch.repeated_prompts(a.num_generations)
         local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
@@ -327,12 +356,14 @@ class GRPOTrainer:
         advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
         marks.append(time.perf_counter())
         data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
-        train_metrics = self.update.run(data, advantages.to(self.device), self.state, self.generator.mark_stale)
+        train_metrics = self.update.run(data, advantages.to(self.device), self.state, self.generator.mark_stale,
+                                        self.peak_memory, engine_outside_bytes(self.llm))
         marks.append(time.perf_counter())
         # phase -> (perf_counter start, end), for GPU monitors; the logged times are their lengths
         spans = self.last_phase_spans = dict(zip(PHASES, zip(marks, marks[1:])))
         times = {f"time/{k}": end - start for k, (start, end) in spans.items()}
         metrics = {**reward_metrics(result.rewards, a.num_generations), **result.metrics(), **train_metrics,
+                   **self.peak_memory.metrics(),
                    **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
                    "engine/weights_version": self.generator.weights_version}
         metrics["time/step"] = sum(v for k, v in times.items())

@@ -1,11 +1,11 @@
 """The training phase of a GRPO step: one packed rollout's logprobs, the loss, backward and the
 optimizer steps, each guarded against non-finite values (`guard.py`), with recompute chosen by the
-memory plan (`memory_plan.py`). The trainer (`trainer.py`) generates and scores; this optimises.
+memory plan (`memory_plan.py`, made final here with the activations measured on the model). The
+trainer (`trainer.py`) generates and scores; this optimises.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -16,9 +16,9 @@ from tandem.rl.config import GRPOConfig
 from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite, nonfinite_hint
 from tandem.rl.logprobs import SamplingFilter, completion_logps
 from tandem.rl.loss import grpo_loss, loss_kwargs_from_config
-from tandem.rl.memory_plan import GIB, TrainMemoryPlan, plan_training_memory, set_recompute
-
-logger = logging.getLogger(__name__)
+from tandem.rl.memory_plan import GIB, MemoryPlan
+from tandem.rl.memory_setup import plan_with_measured_activations
+from tandem.rl.memory_stats import PeakMemory
 
 
 class PolicyUpdate:
@@ -26,7 +26,7 @@ class PolicyUpdate:
     schedule exist."""
 
     def __init__(self, model, ref_model, optimizer, scheduler, strategy, dist, args: GRPOConfig,
-                 device: torch.device, use_bf16: bool, scorer=None):
+                 device: torch.device, use_bf16: bool, memory_plan: MemoryPlan, scorer=None):
         self.model, self.ref_model = model, ref_model
         self.scorer = scorer  # batch_invariant: the policy's logprob values (`scorer.py`)
         self.optimizer, self.scheduler = optimizer, scheduler
@@ -38,18 +38,18 @@ class PolicyUpdate:
         filt = SamplingFilter(args.top_k, args.top_p, args.min_p)
         self.sampling_filter = filt if filt.active else None
         self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
-        self.memory_plan: TrainMemoryPlan | None = None
-        self.recompute: bool | None = args.gradient_checkpointing  # None: the memory plan decides
-        if self.recompute:
-            set_recompute(model, True)
+        # recompute or not, chosen once: by the plan, from what a forward pass of this model saves
+        self.memory_plan = plan_with_measured_activations(memory_plan, model, use_bf16, strategy.sharded)
+        self.recompute = self.memory_plan.recompute
 
-    def run(self, data: dict, advantages: torch.Tensor, state, on_weights_changed: Callable[[], None]) -> dict:
+    def run(self, data: dict, advantages: torch.Tensor, state, on_weights_changed: Callable[[], None],
+            peaks: PeakMemory | None = None, outside: int = 0) -> dict:
         """Optimise on one packed rollout (`rollout.pack`): num_iterations passes of
         gradient-accumulated optimizer steps, counted in `state.global_step`; returns the means of
-        the metrics over every rank's micro-batches."""
+        the metrics over every rank's micro-batches. `peaks` records the train and optimizer-step
+        phases (`outside`: the engine's bytes mapped outside torch's allocator meanwhile)."""
         a = self.args
-        if self.recompute is None:  # the first training phase: the engine sleeps, memory is known
-            self._plan_memory()
+        peaks = peaks or PeakMemory(self.device)
         if self.scorer is not None:
             notify = on_weights_changed
 
@@ -57,10 +57,8 @@ class PolicyUpdate:
                 notify()
                 self.scorer.mark_stale()
         cuda = self.device.type == "cuda"
-        optimizer_ready = bool(self.optimizer.state)  # no state before the first optimizer step
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            resident = torch.cuda.memory_allocated(self.device)
+        resident = torch.cuda.memory_allocated(self.device) if cuda else 0
+        peaks.begin("train", outside)
         N = data["completion_mask"].shape[0]
         mb = a.per_device_train_batch_size
         micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
@@ -107,35 +105,26 @@ class PolicyUpdate:
                     first_bad = first_nonfinite_grad(self.model)
                 state.global_step += 1
                 if self.guard.allow_step(state.global_step, finite, first_bad, nonfinite_hint(a, self.use_bf16)):
+                    peaks.begin("optimizer step", outside)
                     self.optimizer.step()
                     self.scheduler.step()
+                    peaks.begin("train", outside)
                     on_weights_changed()
                 self.optimizer.zero_grad(set_to_none=True)
         sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
         count = sums.pop("_count")
         metrics = {k: v / max(1, count) for k, v in sums.items()}
         metrics["train/nonfinite_steps"] = self.guard.total
+        peaks.end()
         metrics["memory/recompute"] = float(self.recompute)
-        if cuda:  # what the phase took above what was resident, next to the plan's prediction
-            metrics["memory/train_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / GIB
+        metrics["memory/optim_offload"] = float(self.memory_plan.offload)
+        # the plan's steady-state totals, beside the measured peaks (`memory/<phase>_peak_gib`)
+        for phase, total in zip(("generate", "train", "optimizer_step"), self.memory_plan.totals()):
+            metrics[f"memory/plan_{phase}_gib"] = total / GIB
+        if cuda:
             metrics["memory/train_resident_gib"] = resident / GIB
-            if self.memory_plan is not None:  # this phase's prediction, from its own start
-                plan = self.memory_plan
-                to_come = plan.gradients + (0 if optimizer_ready else plan.optimizer_state)
-                metrics["memory/train_plan_gib"] = (resident + to_come + plan.need(self.recompute)) / GIB
         self.guard.warn_if_dropped_wholesale(state.global_step, metrics, a.vllm_importance_sampling_mode)
         return metrics
-
-    def _plan_memory(self) -> None:
-        """gradient_checkpointing=None: the memory plan decides, at the first training phase."""
-        plan, recompute, why = plan_training_memory(self.model, self.optimizer, self.args, self.device,
-                                                    self.use_bf16, self.strategy.sharded)
-        self.memory_plan, self.recompute = plan, recompute
-        if self.dist.is_main:
-            if plan is None:
-                logger.info("memory plan: %s", why)
-            else:
-                logger.info("memory plan for the training phase:\n%s\n  -> %s", plan.format(), why)
 
     def logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
         """Per-token logprobs [rows, T] of the packed rollout's completions under `model`, in the
@@ -149,7 +138,10 @@ class PolicyUpdate:
                                       self.args.temperature)
             if no_grad:
                 return exact
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.use_bf16 else nullcontext()
+        # No autocast weight cache: each weight is cast once a forward anyway, and under recompute the
+        # cache would hold a bf16 copy of every weight to the forward's end (2 B a parameter).
+        autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
+                    if self.use_bf16 else nullcontext())
         with torch.no_grad() if no_grad else nullcontext(), autocast:
             logp = completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
                                     data["prompt_lengths"][rows], data["completion_mask"].shape[1],

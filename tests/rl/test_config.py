@@ -78,6 +78,8 @@ def test_generation_batch_is_derived_either_way():
         ({"max_steps": 0}, "max_steps must be -1"),
         ({"engine_sleep_level": 3}, "engine_sleep_level must be 1"),
         ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
+        ({"vllm_gpu_memory_utilization": "most"}, "vllm_gpu_memory_utilization must be 'auto'"),
+        ({"optim_offload": True, "fsdp": True}, "optim_offload=True runs on one GPU"),
         ({"vllm_mode": "remote"}, "vllm_mode must be one of"),
         ({"fsdp": True, "vllm_mode": "server", "vllm_server_base_url": "http://h:8000"},
          "with vllm_mode='server' use fsdp=False"),

@@ -1,87 +1,171 @@
-"""The training memory plan: measured activation costs, and the recompute choice they lead to."""
+"""The memory plan: its arithmetic against hand-computed sizes, the choices it makes to fit, and
+the refusal (before the model loads) of what cannot fit, naming the smallest change that would."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 from model_fixtures import make_tiny_model
 
+from tandem.rl.activations import ActivationCost, is_recomputing, measure_activations, set_recompute
+from tandem.rl.memory_fit import smallest_change
 from tandem.rl.memory_plan import (
     GIB,
-    ActivationCost,
-    TrainMemoryPlan,
-    head_workspace_bytes,
-    is_recomputing,
-    measure_activations,
-    set_recompute,
+    Device,
+    Workload,
+    plan_memory,
+)
+from tandem.rl.model_sizes import ModelSizes
+from tandem.rl.optim import state_bytes, step_temporaries
+
+# A 1 B-parameter model (60 tensors of 2^24), 8 layers: numbers to check by hand.
+SIZES = ModelSizes(
+    num_params=60 * 2**24,
+    trainable_numels=(2**24,) * 60,
+    layer_linear_params=9 * 10**8,
+    largest_linear=10**8,
+    num_layers=8,
+    hidden=1024,
+    intermediate=4096,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    vocab=32768,
+    tied=False,
+)
+WORK = Workload(
+    rows=8,
+    row_len=512,
+    completion_len=256,
+    round_seqs=64,
+    bf16=True,
+    reference=False,
+    peft=False,
+    cuda_graphs=False,
 )
 
 
-def test_activation_cost_is_what_backward_saves_at_any_length():
-    model = make_tiny_model("llama", seed=0)
-    cost = measure_activations(model, lengths=(16, 48))
-    check = measure_activations(model, lengths=(80, 160))  # a line: the same slope and intercept
-    assert cost.per_token == pytest.approx(check.per_token, rel=1e-6)
-    assert cost.bytes_for(160) == pytest.approx(check.bytes_for(160), rel=1e-6)
-    # at least the fp32 residual stream of every layer is saved per token
-    h, layers = model.config.hidden_size, model.config.num_hidden_layers
-    assert cost.per_token >= 4 * h * layers
+def device(gib: float, host_gib: float = 1000) -> Device:
+    return Device("cuda", int(gib * GIB), int(host_gib * GIB), int(gib * GIB))
 
 
-def test_recompute_saves_the_layer_inputs_only():
-    model = make_tiny_model("llama", seed=0)
-    keep = measure_activations(model)
-    set_recompute(model, True)
-    redo = measure_activations(model)
-    assert redo.per_token < keep.per_token / 4
+def test_full_fine_tune_bytes_by_hand():
+    plan = plan_memory(
+        SIZES, replace(WORK, gradient_checkpointing=True, optim_offload=False), device(200)
+    )
+    P = SIZES.num_params
+    assert plan.rows["trainer weights"] == (4 * P,) * 3  # fp32 master weights
+    assert plan.rows["gradients"] == (None, 4 * P, 4 * P)  # freed by zero_grad before generating
+    assert plan.rows["optimizer state"] == (8 * P,) * 3  # AdamW's two fp32 moments
+    assert plan.rows["optimizer step temporaries"] == (None, None, 0)  # fused: none
+    assert plan.rows["engine weights"] == (2 * P, None, None)  # bf16; sleep level 2 frees them
+    block = 2 * 8 * 2 * 128 * 2 * 16  # K and V, layers, kv heads, head dim, bf16, 16 tokens
+    assert plan.kv_cache_bytes == (64 * 512 // 16 + 1) * block  # one round at full length
+    assert plan.rows["KV cache"] == (plan.kv_cache_bytes, None, None)
+    T = 8 * 512
+    assert (
+        plan.rows["activations"][1] == 8 * 4 * 1024 * T + 8 * 1024 * T + 4 * T
+    )  # the layers' fp32 inputs
+    gen, train, step = plan.totals()
+    assert (
+        step == 16 * P and gen == 14 * P + plan.kv_cache_bytes + plan.rows["engine activations"][0]
+    )
+    awake = plan_memory(
+        SIZES, replace(WORK, sleep_level=None, gradient_checkpointing=True), device(200)
+    )
+    assert (
+        awake.rows["engine weights"][1] == 2 * P
+        and awake.rows["KV cache"][1] == awake.kv_cache_bytes
+    )
+
+
+def test_optimizer_state_and_temporaries_by_hand():
+    big, small = 256 * 64, 100
+    assert state_bytes("adamw_torch_fused", [big, small]) == 8 * (big + small)
+    assert state_bytes("adamw_torch_8bit", [big, small]) == 2 * (big + 4 * big // 256) + 8 * small
+    assert (
+        state_bytes("adamw_torch_4bit", [big, small]) == 2 * (big // 2 + 4 * big // 128) + 8 * small
+    )
+    assert state_bytes("sgd", [big]) == 0 and state_bytes("rmsprop", [big]) == 4 * big
+    assert step_temporaries("adamw_torch", [big, small], cuda=True) == 4 * (
+        big + small
+    )  # foreach sqrt
+    assert step_temporaries("adamw_torch_fused", [big, small], cuda=True) == 0
+    assert step_temporaries("adamw_torch_fused", [big, small], cuda=False) == 4 * big  # per tensor
+
+
+def test_the_plan_recomputes_then_offloads_then_shrinks_the_kv_cache():
+    roomy = plan_memory(SIZES, WORK, device(200))
+    assert not roomy.recompute and not roomy.offload and roomy.fits
+    keep, redo = (
+        plan_memory(
+            SIZES, replace(WORK, gradient_checkpointing=g, optim_offload=False), device(200)
+        )
+        for g in (False, True)
+    )
+    mid = (keep.peak + redo.peak) / 2 / GIB / 0.98 + 1 / 0.98  # usable = 98% less 1 GiB
+    plan = plan_memory(SIZES, WORK, device(mid))
+    assert plan.recompute and not plan.offload and plan.fits and "do not fit" in plan.why[0]
+    offloaded = plan_memory(
+        SIZES, replace(WORK, gradient_checkpointing=True, optim_offload=True), device(200)
+    )
+    assert offloaded.rows["optimizer state"] == (0, 0, 0)
+    assert offloaded.host_rows["optimizer state (offloaded)"] == 8 * SIZES.num_params
+    mid = (redo.peak + offloaded.peak) / 2 / GIB / 0.98 + 1 / 0.98
+    plan = plan_memory(SIZES, WORK, device(mid))
+    assert plan.offload and plan.fits  # with recompute, or without if the host's room lets it
+    assert not plan_memory(SIZES, WORK, device(mid, host_gib=1)).fits  # no host room: no offload
+    # a LoRA adapter: the generate phase binds, and the KV cache takes what it leaves
+    lora, work = (
+        replace(SIZES, trainable_numels=(10**6,)),
+        replace(WORK, peft=True, gradient_checkpointing=True),
+    )
+    full = plan_memory(lora, work, device(200))
+    assert (
+        full.rows["engine weights"][0] == 2 * (SIZES.num_params - 10**6)
+        and full.peak == full.totals()[0]
+    )
+    tight = plan_memory(
+        lora, work, device((full.peak - full.kv_cache_bytes / 2) / GIB / 0.98 + 1 / 0.98)
+    )
+    assert tight.fits and 0 < tight.kv_cache_bytes < full.kv_cache_bytes
+    assert "sequences will wait their turn" in tight.why[2]
+
+
+def test_what_cannot_fit_names_the_smallest_change():
+    work = replace(WORK, optim_offload=False)
+    light = plan_memory(
+        SIZES, replace(work, optim="adamw_torch_8bit", gradient_checkpointing=True), device(200)
+    )
+    budget = device(light.peak / GIB / 0.98 + 1 / 0.98 + 0.01)
+    assert not plan_memory(SIZES, work, budget).fits
+    change, plan = smallest_change(lambda peft: SIZES, work, budget)
+    assert change == {"optim_offload": True} and plan.fits  # the same arithmetic, from host memory
+    no_host = replace(budget, host=GIB)
+    change, plan = smallest_change(lambda peft: SIZES, work, no_host)
+    assert change == {"optim": "adamw_torch_8bit"} and plan.fits
+    smaller = plan_memory(SIZES, replace(work, gradient_checkpointing=True, rows=4), device(200))
+    budget = device(smaller.peak / GIB / 0.98 + 1 / 0.98 + 0.01, host_gib=1)
+    change, _ = smallest_change(
+        lambda peft: SIZES, replace(work, gradient_checkpointing=True), budget
+    )
+    assert change == {
+        "per_device_train_batch_size": 4
+    }  # the same arithmetic, before a lighter optimizer
+    assert smallest_change(lambda peft: SIZES, work, device(2)) is None
 
 
 def test_autocast_weight_copies_are_a_fixed_cost():
     model = make_tiny_model("llama", seed=0)
     cost = measure_activations(model, lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-    layer_weights = sum(p.numel() for n, p in model.named_parameters() if "layers." in n and "norm" not in n)
-    assert cost.fixed == pytest.approx(2 * layer_weights, rel=0.05)  # their bf16 copies, once a forward
-
-
-def plan(free_gib, keep=1e5, redo=1e4):
-    return TrainMemoryPlan(tokens_per_micro_batch=10_000, keep=ActivationCost(keep, 0),
-                           recompute=ActivationCost(redo, 0), num_layers=10,
-                           head_workspace=head_workspace_bytes(1000, 100), free=int(free_gib * GIB))
-
-
-def test_the_plan_recomputes_only_when_keeping_does_not_fit():
-    assert plan(10).need(False) == 10_000 * 1e5 + 12 * 1000 * 100
-    assert plan(10).need(True) == int(10_000 * 1e4 + 10_000 * 9e4 / 10 + 12 * 1000 * 100)
-    assert plan(10).choose_recompute()[0] is False
-    recompute, why = plan(0.5).choose_recompute()
-    assert recompute and "with recompute" in why
-    with pytest.raises(ValueError, match="per_device_train_batch_size"):
-        plan(0.01).choose_recompute()
-    assert "activations, kept" in plan(1).format()
-    squeezed = plan(10)
-    squeezed.gradients = squeezed.optimizer_state = int(4.2 * GIB)  # what the first step allocates counts
-    assert squeezed.choose_recompute()[0] is True
-    assert squeezed.peak(True) == 2 * int(4.2 * GIB) + squeezed.need(True)
-
-
-def test_a_tight_budget_makes_the_trainer_recompute_with_the_same_result(tmp_path, monkeypatch):
-    """gradient_checkpointing=None: the plan decides at the first training phase; squeezed, it
-    chooses recompute, and the step is the unconstrained one (fp32, tiny model)."""
-    from tandem.rl import memory_plan as plan_mod
-    from tests.rl.test_trainer import make_trainer
-
-    roomy = make_trainer(tmp_path / "a", max_steps=1, gradient_checkpointing=None)
-    want = roomy.step()
-    assert roomy.update.recompute is False and "no recompute" in roomy.update.memory_plan.choose_recompute()[1]
-    plan = roomy.update.memory_plan
-    budget = (plan.need(True) + plan.need(False)) // 2  # fits only with recompute
-    free = (budget + plan.gradients + plan.optimizer_state) / plan.margin
-    assert plan.gradients == sum(p.numel() * 4 for p in roomy.model.parameters())  # fp32, all trainable
-    monkeypatch.setattr(plan_mod, "free_memory", lambda device: int(free))
-    tight = make_trainer(tmp_path / "b", max_steps=1, gradient_checkpointing=None)
-    got = tight.step()
-    assert tight.update.recompute is True and is_recomputing(tight.model)
-    assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
-    for (n, a), b in zip(roomy.model.named_parameters(), tight.model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=n)
-    monkeypatch.setattr(plan_mod, "free_memory", lambda device: 1)
-    with pytest.raises(ValueError, match="even with gradient checkpointing"):
-        make_trainer(tmp_path / "c", max_steps=1, gradient_checkpointing=None).step()
+    layer_weights = sum(
+        p.numel() for n, p in model.named_parameters() if "layers." in n and "norm" not in n
+    )
+    assert cost.fixed == pytest.approx(
+        2 * layer_weights, rel=0.05
+    )  # their bf16 copies, once a forward
+    set_recompute(model, True)
+    assert is_recomputing(model) and measure_activations(model).per_token < cost.per_token / 4
+    assert (
+        ActivationCost(10, 5, 2).bytes_for(8, row_len=4) == 5 + 80 + 2 * 2 * 16
+    )  # two rows of four

@@ -1,5 +1,7 @@
 """The optimizer and schedule GRPOConfig names, and GRPOTrainer(optimizers=...) replacing them."""
 
+import importlib.util
+
 import pytest
 import torch
 from datasets import Dataset
@@ -49,3 +51,24 @@ def test_optimizers_given_to_the_trainer_are_used_and_generation_kwargs_checked(
     args.generation_kwargs = {"beam_width": 4}
     with pytest.raises(ValueError, match=r"generation_kwargs=.*beam_width"):
         GRPOTrainer(model, len, args, data, processing_class=make_tokenizer(), engine_kwargs={"device": "cpu"})
+
+
+def test_lighter_and_offloaded_optimizers_by_transformers_names():
+    from tandem.rl.offload import HostOffloadAdamW
+
+    model = torch.nn.Linear(64, 64)
+    cpu = torch.device("cpu")
+    opt = build_optimizer(model, GRPOConfig(optim_offload=True), cpu)
+    assert isinstance(opt, HostOffloadAdamW) and opt.param_groups[0]["lr"] == 1e-6
+    with pytest.raises(ValueError, match="optim_offload=True keeps AdamW's state"):
+        GRPOConfig(optim="sgd", optim_offload=True)
+    if importlib.util.find_spec("bitsandbytes") is None:
+        with pytest.raises(ValueError, match="optim='adamw_bnb_8bit' needs bitsandbytes: pip install bitsandbytes"):
+            build_optimizer(model, GRPOConfig(optim="adamw_bnb_8bit"), cpu)
+    pytest.importorskip("torchao")
+    for name, cls in [("adamw_torch_8bit", "AdamW8bit"), ("adamw_torch_4bit", "AdamW4bit")]:
+        opt = build_optimizer(model, GRPOConfig(optim=name, learning_rate=1e-3), cpu)
+        assert type(opt).__name__ == cls
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()  # torch.compile'd on the CPU too
+        assert type(opt.state[model.weight]["exp_avg"]).__name__.startswith("OptimState")
