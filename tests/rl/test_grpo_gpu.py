@@ -1,8 +1,12 @@
 """The default `tandem train grpo` on a GPU: the embedded SmolLM2-135M-Instruct in bf16, 60 steps
-of 64 x 8 completions at lr 1e-5, two seeds. It must not take a single non-finite step, it must
-learn (held-out accuracy +20 points at least), and the engine and the trainer must agree on the
-sampled tokens' logprobs: with batch_invariant exactly; without it to bf16's kernel floor
-(H200, 2026-12-01: 18.0 -> 41.4% and 21.1 -> 40.2%, mean |dlogp| 0.012-0.013)."""
+of 64-completion micro-batches at lr 1e-5, two seeds, with batch-invariant kernels (the GPU demo's
+default) and with the default kernels. No run may take a non-finite step; the batch-invariant runs
+must learn (held-out accuracy +20 points) with the engine and the trainer agreeing exactly (mean
+|dlogp| <= 0.005; it is 0); the default kernels learn too, to bf16's kernel floor of agreement
+(H200, 2026-12-01: mean |dlogp| 0.012-0.013).
+
+The four runs share the GPU at once (each engine takes a fifth of its memory): they are small, and
+a run's numbers do not depend on its neighbours, only its step times do."""
 
 import json
 import subprocess
@@ -12,31 +16,42 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
+SEEDS = (42, 1)
 
-@pytest.mark.parametrize("seed", [42, 1])
-@pytest.mark.parametrize("invariant", [True, False], ids=["batch_invariant", "default_kernels"])
-def test_default_grpo_run_learns_in_bf16(tmp_path, seed, invariant):
-    out = tmp_path / "run"
-    flag = "--batch-invariant" if invariant else "--no-batch-invariant"
-    run = subprocess.run([sys.executable, "-m", "tandem.cli", "train", "grpo", "--seed", str(seed), flag,
-                          "--output-dir", str(out), "--report-to", "jsonl"],
-                         capture_output=True, text=True, timeout=900, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    summary = json.loads(run.stdout.strip().splitlines()[-1])
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 60
-    assert all(r["grad_norm"] is not None for r in rows)  # finite every step
-    assert rows[-1]["train/nonfinite_steps"] == 0
-    gain = summary["held_out_after"]["eval/accuracy_reward/mean"] - summary["held_out_before"]["eval/accuracy_reward/mean"]
-    dlogp = [r["sampling/sampling_logp_difference/mean"] for r in rows]
-    mean_dlogp = sum(dlogp) / len(dlogp)
-    print(f"seed {seed} {flag}: held-out {summary['held_out_before']['eval/accuracy_reward/mean']:.3f} -> "
-          f"{summary['held_out_after']['eval/accuracy_reward/mean']:.3f}, mean |dlogp| {mean_dlogp:.4f}, "
-          f"step {sum(r['time/step'] for r in rows[1:]) / (len(rows) - 1):.2f} s")
-    if invariant:
-        assert gain >= 0.20, summary
-        assert mean_dlogp <= 0.005, dlogp  # exactly 0 on-policy
-    else:
-        assert gain >= 0.15, summary
-        assert mean_dlogp <= 0.02, dlogp  # measured 0.012-0.013 (bf16 kernels' floor: see docs)
-    assert (out / "reward_curve.png").stat().st_size > 10_000
+
+def test_default_grpo_run_learns_in_bf16(tmp_path):
+    runs = {}
+    for seed in SEEDS:
+        for invariant in (True, False):
+            out = tmp_path / f"run-{seed}-{invariant}"
+            flag = "--batch-invariant" if invariant else "--no-batch-invariant"
+            cmd = [sys.executable, "-m", "tandem.cli", "train", "grpo", "--seed", str(seed), flag,
+                   "--vllm-gpu-memory-utilization", "0.2", "--output-dir", str(out), "--report-to", "jsonl"]
+            runs[seed, invariant] = (out, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                           text=True))
+    failures = []
+    for (seed, invariant), (out, proc) in runs.items():
+        stdout, stderr = proc.communicate(timeout=1200)
+        if proc.returncode != 0:
+            failures.append(f"seed {seed} batch_invariant={invariant} exited {proc.returncode}: {stderr[-3000:]}")
+            continue
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        before = summary["held_out_before"]["eval/accuracy_reward/mean"]
+        after = summary["held_out_after"]["eval/accuracy_reward/mean"]
+        dlogp = [r["sampling/sampling_logp_difference/mean"] for r in rows]
+        mean_dlogp = sum(dlogp) / len(dlogp)
+        print(f"seed {seed} batch_invariant={invariant}: held-out {before:.3f} -> {after:.3f}, "
+              f"mean |dlogp| {mean_dlogp:.4f}, step {sum(r['time/step'] for r in rows[1:]) / (len(rows) - 1):.2f} s"
+              " (four runs sharing the GPU)")
+        checks = {
+            "60 steps": len(rows) == 60,
+            "finite every step": all(r["grad_norm"] is not None for r in rows)
+            and rows[-1]["train/nonfinite_steps"] == 0,
+            "held-out gain": after - before >= (0.20 if invariant else 0.15),
+            "mean |dlogp|": mean_dlogp <= (0.005 if invariant else 0.02),
+            "reward curve": (out / "reward_curve.png").stat().st_size > 10_000,
+        }
+        failures += [f"seed {seed} batch_invariant={invariant}: {name} ({before:.3f} -> {after:.3f}, "
+                     f"|dlogp| {mean_dlogp:.4f})" for name, ok in checks.items() if not ok]
+    assert not failures, "\n".join(failures)
