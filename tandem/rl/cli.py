@@ -95,6 +95,8 @@ FIELD_HELP = {
     "warmup_steps": "learning-rate warm-up steps",
     "disable_dropout": "turn the model's dropout off",
     "padding_free": "pack each micro-batch's rows into one sequence: no FLOP on padding",
+    "max_tokens_per_micro_batch": "with --padding-free: micro-batches of at most this many real "
+    "tokens, balanced, instead of --per-device-train-batch-size rows (same loss and gradients)",
     "use_liger_kernel": "accepted for TRL scripts; tandem's logprobs use its own chunked kernel",
     "use_vllm": "accepted for TRL scripts: tandem's engine always generates (False warns)",
     "vllm_server_host": "--vllm-mode server: the server's host (when no --vllm-server-base-url)",
