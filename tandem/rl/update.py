@@ -17,7 +17,7 @@ from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite, non
 from tandem.rl.logprobs import SamplingFilter, completion_logps
 from tandem.rl.loss import grpo_loss, loss_kwargs_from_config, step_row_scales
 from tandem.rl.memory_plan import GIB, TrainMemoryPlan, plan_training_memory, set_recompute
-from tandem.rl.micro_batches import fixed_steps, split_rows
+from tandem.rl.micro_batches import MicroBatches, fixed_steps, split_rows
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class PolicyUpdate:
         self.guard.warn_if_dropped_wholesale(state.global_step, metrics, a.vllm_importance_sampling_mode)
         return metrics
 
-    def _micro_batches(self, data: dict, advantages: torch.Tensor):
+    def _micro_batches(self, data: dict, advantages: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, MicroBatches]:
         """Each optimizer step's micro-batches (`micro_batches.py`), the rows reordered so each is a
         contiguous slice, and each row's weight in its step's loss. The weights come from the fixed
         micro-batches (TRL's), so a token-budget split changes no number."""
