@@ -5,6 +5,17 @@ TRL's GRPOTrainer (use_vllm=False: transformers `generate`) on the same model, p
 
 Workload grpo-1.5b (docs/benchmarks.md): Qwen2.5-1.5B architecture, random weights, 32 prompts x 8
 generations per step, 128 prompt tokens, 256 completion tokens, full fine-tune in bf16, beta 0.
+
+`--completion-len-dist uniform:LO-HI` makes the completion lengths vary (grpo-1.5b-varlen): each
+prompt draws one, seeded, and both trainers stop there exactly (rl_lengths.py: tandem by each
+prompt's own max_tokens with ignore_eos; TRL, whose `generate` has one max_new_tokens per batch, by
+a logits processor ending each row at its length, so `generate` still runs until the batch's
+longest row ends). Without it TRL's completions end at max_completion_length or at a sampled EOS
+(about one token in 150k with random weights), tandem's at completion_len (ignore_eos).
+`--padding-free` and `--max-tokens-per-micro-batch` set tandem's GRPOConfig fields (TRL has no
+padding-free GRPO: it keeps its padded micro-batches). Token counts, tokens/s and the train MFU
+come from the real tokens each step had, not the padded shape. `--device cpu` runs tandem alone,
+small, e.g. to try `--profile-train`.
 """
 
 from __future__ import annotations
@@ -19,60 +30,95 @@ from dataclasses import asdict
 import torch
 
 from tandem.bench.report import add_output_args
+from tandem.bench.rl_lengths import (
+    TRLLengths,
+    completion_lengths,
+    completion_range,
+    stop_at_drawn_lengths,
+)
 from tandem.bench.rl_workload import (
     CPU_SIZES,
     RLBenchConfig,
     batching,
     even_token_reward,
+    model_and_data,
     float_or_word,
     grpo_kwargs,
-    model_and_data,
 )
 from tandem.bench.roofline import device_ceilings
+
+
+def tandem_args(cfg: RLBenchConfig):
+    """tandem's GRPOConfig for the workload (built before any run, so a bad value fails first)."""
+    from tandem.rl import GRPOConfig
+
+    return GRPOConfig(**grpo_kwargs(cfg))
 
 
 def run_tandem(cfg: RLBenchConfig) -> dict:
     from tandem.bench.gpu_monitor import GpuMonitor
     from tandem.bench.rl_memory import ENGINE_KWARGS, peft_config_of, plan_for
-    from tandem.rl import GRPOConfig, GRPOTrainer
+    from tandem.bench.rl_profile import profile_train_phase
+    from tandem.rl import GRPOTrainer
     from tandem.rl.trainer import PHASES
 
-    plan_for(cfg)  # from the config: a workload that cannot fit is refused before the model is built
+    cuda = cfg.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        plan_for(cfg)  # from the config: a workload that cannot fit is refused before the model is built
     model, tok, data = model_and_data(cfg)
-    args = GRPOConfig(**grpo_kwargs(cfg))
     peft_config = peft_config_of(cfg)
-    torch.cuda.reset_peak_memory_stats()
-    trainer = GRPOTrainer(model, even_token_reward, args, train_dataset=data, processing_class=tok,
-                          engine_kwargs=dict(ENGINE_KWARGS), peft_config=peft_config)
+    engine_kwargs = dict(ENGINE_KWARGS)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        engine_kwargs |= {"device": "cpu", "cpu_kv_cache_space_gib": cfg.cpu_kv_cache_space_gib}
+    trainer = GRPOTrainer(model, even_token_reward, tandem_args(cfg), train_dataset=data, processing_class=tok,
+                          engine_kwargs=engine_kwargs, peft_config=peft_config)
+    stop_at_drawn_lengths(trainer.llm, completion_lengths(cfg, data["prompt"], tok))
     trainer.step()  # warm-up
     steps, spans = [], []
-    with GpuMonitor() as mon:
+    with GpuMonitor(enabled=cuda) as mon:
         for _ in range(cfg.steps):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             m = trainer.step()
-            torch.cuda.synchronize()
+            sync()
             m["wall"] = time.perf_counter() - t0
             steps.append(m)
             spans.append(trainer.last_phase_spans)
-    out = _summary(steps, cfg)
+    out = _summary([s["wall"] for s in steps], statistics.mean(s["completions/num_tokens"] for s in steps))
     out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps) for k in PHASES}
     out["gpu"] = mon.summary()
     # which phase leaves the GPU idle (NVML utilization of the samples inside each phase)
     out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in PHASES}
-    # The train phase's model FLOPs utilisation: 6 N FLOPs a token (forward and backward; a
-    # recomputed forward is not useful work), N the parameters (a tied head counted once).
-    n_params = sum(p.numel() for p in trainer.model.parameters())
-    train_tokens = cfg.num_prompts * cfg.num_generations * (cfg.prompt_len + cfg.completion_len)
-    peak = device_ceilings()[1]  # None where this GPU's peak is not known: no MFU then
-    out["peak_flops"] = peak
-    out["train_mfu"] = 6 * n_params * train_tokens / out["breakdown_s"]["train"] / peak if peak else None
-    out["train_memory"] = {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")}
-    out["memory_plan"] = trainer.memory_plan.format("memory plan")
-    out["engine_memory"] = trainer.llm.memory_report()
-    out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # trainer + engine
+    out |= _train_phase(trainer, steps, out["breakdown_s"]["train"])
+    if cfg.profile_train:
+        out["profile_train"] = profile_train_phase(trainer, cfg.profile_train)
+    if cuda:
+        out["engine_memory"] = trainer.llm.memory_report()
+        out["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30  # trainer + engine
     del trainer, model
     return out
+
+
+def _train_phase(trainer, steps: list[dict], train_s: float) -> dict:
+    """The train phase's real tokens, micro-batches and model FLOPs utilisation: 6 N FLOPs a real
+    token (forward and backward; padding and a recomputed forward are not useful work), N the
+    parameters (a tied head counted once)."""
+    a = trainer.args
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    tokens = statistics.median(s["train/tokens"] for s in steps) * a.num_iterations
+    peak = device_ceilings()[1] if trainer.device.type == "cuda" else None  # None: no MFU
+    fill = [s["train/micro_batch_fill"] for s in steps if "train/micro_batch_fill" in s]
+    return {
+        "peak_flops": peak, "train_tokens": tokens, "train_mfu": 6 * n_params * tokens / train_s / peak if peak else None,
+        "padding_free": a.padding_free, "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+        "micro_batches_per_step": statistics.median(s["train/micro_batches"] for s in steps),
+        "micro_batch_fill": statistics.median(fill) if fill else None,
+        "train_memory": {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")},
+        "memory_plan": trainer.memory_plan.format("memory plan"),
+    }
 
 
 def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
@@ -85,13 +131,16 @@ def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
     from tandem.bench.gpu_monitor import GpuMonitor
 
     model, tok, data = model_and_data(cfg)
-    kwargs = batching(cfg)
+    lengths = completion_lengths(cfg, data["prompt"], tok)
+    forced = TRLLengths(model, lengths, tok.eos_token_id) if cfg.completion_len_dist else None
+    kwargs = batching(cfg, completion_range(cfg)[1])
     if fast:
         kwargs["gradient_checkpointing"] = False
         kwargs["use_liger_kernel"] = importlib.util.find_spec("liger_kernel") is not None
     args = TRLConfig(output_dir="/tmp/trl-bench-rl", report_to="none", save_strategy="no", use_vllm=False,
                      disable_dropout=True, **kwargs)
     spans: list[tuple[float, float]] = []
+    lengths_logged: list[float] = []  # TRL's completions/mean_length, one a step
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -102,6 +151,10 @@ def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
             torch.cuda.synchronize()
             spans.append((self.t0, time.perf_counter()))
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths_logged.append(logs["completions/mean_length"])
+
     mon = GpuMonitor()
     trainer = TRLTrainer(model=model, reward_funcs=even_token_reward, args=args, train_dataset=data,
                          processing_class=tok, callbacks=[StepTimer()])
@@ -109,23 +162,26 @@ def run_trl(cfg: RLBenchConfig, fast: bool = False) -> dict:
     trainer.train()
     mon.stop()
     steady = spans[1:]  # after the warm-up step, as tandem's
-    out = _summary([{"wall": end - start} for start, end in steady], cfg)
+    # its measured completion lengths where it logs them (the timed steps'), else the drawn mean
+    measured = lengths_logged[1 : len(spans)]
+    mean_len = statistics.mean(measured) if measured else statistics.mean(lengths.values())
+    out = _summary([end - start for start, end in steady], mean_len * cfg.num_prompts * cfg.num_generations)
+    out["completion_tokens_measured"] = bool(measured)
     out["gpu"] = mon.summary(window=(steady[0][0], steady[-1][1]))  # the timed steps only
     out["liger"] = bool(kwargs.get("use_liger_kernel"))
+    out["lengths_forced"] = None if forced is None else forced.calls > 0  # False: TRL's generate was not ours
     del trainer, model
     return out
 
 
-def _summary(steps: list[dict], cfg: RLBenchConfig) -> dict:
-    wall = statistics.median(s["wall"] for s in steps)
-    tokens = cfg.num_prompts * cfg.num_generations * cfg.completion_len
-    return {"step_s_median": wall, "step_s": [s["wall"] for s in steps],
-            "completion_tokens_per_s": tokens / wall}
+def _summary(walls: list[float], completion_tokens: float) -> dict:
+    wall = statistics.median(walls)
+    return {"step_s_median": wall, "step_s": walls, "completion_tokens_per_step": completion_tokens,
+            "completion_tokens_per_s": completion_tokens / wall}
 
 
 def run(cfg: RLBenchConfig) -> dict:
     from tandem.bench.report import finish, make_report
-
     if cfg.memory_budget_gib is not None:  # the plan's (and the trainer's) device capacity
         import os
 
@@ -136,9 +192,16 @@ def run(cfg: RLBenchConfig) -> dict:
         from tandem.bench.rl_memory import plan_only
 
         return plan_only(cfg)
+
     if set(cfg.compare.split(",")) & {"colocate", "server"}:
         from tandem.bench.rl_modes import run_modes
 
+        tandem_only = {"completion_len_dist": None, "padding_free": False, "max_tokens_per_micro_batch": None,
+                       "profile_train": None}
+        given = [k for k, v in tandem_only.items() if getattr(cfg, k) != v]
+        if given:
+            raise ValueError(f"--compare colocate,server runs the fixed-length workload as it is; "
+                             f"{', '.join('--' + k.replace('_', '-') for k in given)} apply to tandem vs TRL")
         return run_modes(cfg)
     names = [c for c in cfg.compare.split(",") if c]
     bad = [n for n in names if n not in ("trl", "trl-fast")]
@@ -146,21 +209,34 @@ def run(cfg: RLBenchConfig) -> dict:
         raise ValueError(f"--compare must name 'trl' and/or 'trl-fast', or be 'colocate,server'; got {bad}")
     if names and importlib.util.find_spec("trl") is None:
         raise ValueError("--compare trl needs TRL: pip install 'tandem[bench]' (or pip install trl)")
-    if not torch.cuda.is_available():
-        raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU; on a CPU, "
-                         "`tandem bench rl --compare colocate,server --device cpu` runs a small version")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("bench rl times GPU training steps: it needs a CUDA GPU; on a CPU, `--device cpu` "
+                         "runs a small version of tandem's step (`--compare colocate,server --device cpu`: both modes)")
+    if cfg.device == "cpu" and names:
+        raise ValueError("--compare trl runs on a GPU only; on a CPU leave --compare out (tandem alone)")
+    tandem_args(cfg)  # a bad value fails before TRL's run, not after it
     results = {}
-    for name in [c for c in cfg.compare.split(",") if c] + ["tandem"]:
-        if name not in ("trl", "trl-fast", "tandem"):
-            raise ValueError(f"compare must name 'trl' and/or 'trl-fast', or be 'colocate,server'; got {name!r}")
+    for name in names + ["tandem"]:
         results[name] = run_tandem(cfg) if name == "tandem" else run_trl(cfg, fast=name == "trl-fast")
         gc.collect()
-        torch.cuda.empty_cache()
-    print(f"{'trainer':<9} {'s/step':>8} {'completion tok/s':>17} {'GPU util':>9}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    _print(results, cfg)
+    report = make_report("rl", asdict(cfg), results)
+    finish(report, cfg.output, cfg.print_json)
+    return report
+
+
+def _print(results: dict, cfg: RLBenchConfig) -> None:
+    per_step = cfg.num_prompts * cfg.num_generations
+    print(f"{'trainer':<9} {'s/step':>8} {'completion tok/s':>17} {'mean len':>9} {'GPU util':>9}")
     for name, r in results.items():
         busy = r["gpu"].get("util_mean") if r["gpu"].get("available") else None
         busy_s = f"{busy:.0f}%" if busy is not None else "-"
-        print(f"{name:<9} {r['step_s_median']:>8.2f} {r['completion_tokens_per_s']:>17,.0f} {busy_s:>9}")
+        mean_len = r["completion_tokens_per_step"] / per_step
+        print(f"{name:<9} {r['step_s_median']:>8.2f} {r['completion_tokens_per_s']:>17,.0f} {mean_len:>9.1f} "
+              f"{busy_s:>9}")
+    print(_lengths_note(results, cfg))
     if "trl" in results:
         results["speedup_vs_trl"] = results["trl"]["step_s_median"] / results["tandem"]["step_s_median"]
         print(f"tandem step is {results['speedup_vs_trl']:.1f}x faster than TRL (use_vllm=False)")
@@ -168,32 +244,61 @@ def run(cfg: RLBenchConfig) -> dict:
         results["speedup_vs_trl_fast"] = results["trl-fast"]["step_s_median"] / results["tandem"]["step_s_median"]
         print(f"tandem step is {results['speedup_vs_trl_fast']:.1f}x faster than TRL's fastest settings here "
               f"(no recompute, Liger {'on' if results['trl-fast']['liger'] else 'not installed'})")
-    if "breakdown_s" in results.get("tandem", {}):
-        print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results["tandem"]["breakdown_s"].items()))
-        t = results["tandem"]
-        mem = t.get("train_memory", {})
-        plan = f", plan {mem['memory/plan_train_gib']:.1f}" if "memory/plan_train_gib" in mem else ""
-        mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x tokens / {t['peak_flops'] / 1e12:.0f} "
-               "TFLOP/s)" if t["train_mfu"] is not None else "MFU unknown (this GPU's peak is not known)")
-        print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s, {mfu}, recompute "
-              f"{'on' if mem.get('memory/recompute') else 'off'}; peak {mem.get('memory/train_peak_gib', 0):.1f} GiB"
-              f"{plan} (resident {mem.get('memory/train_resident_gib', 0):.1f})")
+    t = results["tandem"]
+    print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t["breakdown_s"].items()))
+    mem = t["train_memory"]
+    plan = f", plan {mem['memory/plan_train_gib']:.1f}" if "memory/plan_train_gib" in mem else ""
+    mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x real tokens / {t['peak_flops'] / 1e12:.0f} TFLOP/s)"
+           if t["train_mfu"] is not None else "MFU unknown (no known peak for this device)")
+    budget = t["max_tokens_per_micro_batch"]
+    split = (f"{t['micro_batches_per_step']:g} micro-batches a step of <= {budget:,} tokens, "
+             f"{100 * t['micro_batch_fill']:.0f}% full" if budget else
+             f"{t['micro_batches_per_step']:g} micro-batches a step of {cfg.micro_batch} rows")
+    print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s for {t['train_tokens']:,.0f} real tokens "
+          f"(prompt + completion), {mfu}; padding-free {'on' if t['padding_free'] else 'off'}, {split}; "
+          f"recompute {'on' if mem.get('memory/recompute') else 'off'}"
+          + (f"; peak {mem['memory/train_peak_gib']:.1f} GiB{plan} (resident {mem['memory/train_resident_gib']:.1f})"
+             if "memory/train_peak_gib" in mem else ""))
+    if "memory/plan_train_gib" in mem:
         from tandem.rl.memory_table import format_measured
 
         print("tandem memory per phase (GiB), the plan's steady state beside the timed steps' medians:")
         print(format_measured(mem))
-        by_phase = {k: v for k, v in results["tandem"]["gpu_util_by_phase"].items() if v is not None}
-        if by_phase:
-            print("tandem GPU utilization by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in by_phase.items()))
-    report = make_report("rl", asdict(cfg), results)
-    finish(report, cfg.output, cfg.print_json)
-    return report
+    by_phase = {k: v for k, v in t["gpu_util_by_phase"].items() if v is not None}
+    if by_phase:
+        print("tandem GPU utilization by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in by_phase.items()))
+    if "profile_train" in t:
+        p = t["profile_train"]
+        print(f"tandem train-phase profile (one more step, {p['train_s']:.2f} s under the profiler) written to "
+              f"{p['file']}, sorted by {p['sort_by']}")
+
+
+def _lengths_note(results: dict, cfg: RLBenchConfig) -> str:
+    """What the completion lengths were, for each trainer, in words."""
+    lo, hi = completion_range(cfg)
+    if cfg.completion_len_dist is None:
+        note = f"completion lengths: {hi} tokens each (tandem: ignore_eos"
+        trl = "; TRL: up to max_completion_length, ending early at a sampled EOS"
+    else:
+        note = (f"completion lengths: drawn per prompt, uniform {lo}-{hi} (seed {cfg.seed}); tandem stops each "
+                "prompt's completions there (its own max_tokens, ignore_eos")
+        trl = ("; TRL's generate ends each row there (a logits processor forces EOS, counted as a token) but "
+               "runs every batch until its longest row ends")
+    trls = [r for n, r in results.items() if n != "tandem"]
+    if not trls:
+        return note + ")"
+    if any(r["lengths_forced"] is False for r in trls):
+        trl = "; TRL did NOT go through the length processor: its completions ran to a sampled EOS or " \
+              f"max_completion_length ({hi}), see its mean length"
+    if not all(r["completion_tokens_measured"] for r in trls):
+        trl += " (TRL logged no completion lengths: its tokens/s assume the drawn ones)"
+    return note + trl + ")"
 
 
 _HELP = {
     "model": "architecture preset or HF model dir (its architecture; the weights stay random)",
     "num_prompts": "prompts per step", "num_generations": "completions per prompt",
-    "prompt_len": "prompt tokens", "completion_len": "completion tokens (ignore_eos)",
+    "prompt_len": "prompt tokens", "completion_len": "completion tokens (tandem: ignore_eos)",
     "micro_batch": "completions per micro-batch", "steps": "timed steps (after one warm-up step)",
     "sleep_level": "the engine's sleep level between rollouts (1: KV cache, 2: also weights)",
     "seed": "random seed", "cpu_kv_cache_space_gib": "--device cpu: each engine's KV cache (GiB)",
@@ -217,7 +322,8 @@ def add_parser(subparsers) -> None:
                    "data parallel vs server mode on two devices")
     add_output_args(p)
     p.add_argument("--device", choices=("cuda", "cpu"), default=d.device,
-                   help="--compare colocate,server only: cpu runs both modes on the CPU, small")
+                   help="cpu: tandem's step alone (or, with --compare colocate,server, both modes) on the "
+                   "CPU, small")
     p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=d.fsdp,
                    help="colocate mode: FSDP2-sharded trainers instead of replicas")
     p.add_argument("--server-gpu-memory-utilization", type=float, default=d.server_gpu_memory_utilization,
@@ -244,6 +350,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                    default=d.gradient_checkpointing,
                    help="force recompute on or off (default: tandem's memory plan decides; TRL recomputes)")
+    p.add_argument("--completion-len-dist", default=d.completion_len_dist, metavar="uniform:LO-HI",
+                   help="each prompt's completions run to a length drawn from LO-HI (seeded by --seed), "
+                   "for both trainers, instead of --completion-len for all (default: off)")
+    p.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=d.padding_free,
+                   help="tandem: pack each micro-batch's rows into one sequence (GRPOConfig.padding_free)")
+    p.add_argument("--max-tokens-per-micro-batch", type=int, default=d.max_tokens_per_micro_batch, metavar="N",
+                   help="tandem: micro-batches of at most N real tokens instead of --micro-batch rows "
+                   "(GRPOConfig.max_tokens_per_micro_batch; needs --padding-free)")
+    p.add_argument("--profile-train", default=d.profile_train, metavar="FILE",
+                   help="after the timed steps, profile one more step's train phase (torch.profiler) and "
+                   "write its operator table, sorted by device time, to FILE")
     p.set_defaults(func=_main)
 
 

@@ -19,6 +19,8 @@ class RLBenchConfig:
     num_generations: int = 8
     prompt_len: int = 128
     completion_len: int = 256
+    # "uniform:LO-HI": each prompt's completions run to a length drawn from LO-HI (rl_lengths.py)
+    completion_len_dist: str | None = None
     micro_batch: int = 32
     steps: int = 4  # timed steps after one warm-up step
     compare: str = ""  # "trl", or "colocate,server" (rl_modes.py)
@@ -32,6 +34,9 @@ class RLBenchConfig:
     gradient_checkpointing: bool | None = None  # None: the trainer's memory plan decides
     optim: str = "adamw_torch_fused"  # GRPOConfig.optim: adamw_torch_8bit / _4bit for the largest models
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
+    padding_free: bool = False  # tandem's GRPOConfig.padding_free
+    max_tokens_per_micro_batch: int | None = None  # tandem's GRPOConfig field (needs padding_free)
+    profile_train: str | None = None  # write one step's train-phase profile table here (rl_profile.py)
     seed: int = 0
     plan_only: bool = False  # print the trainer's memory plan for the workload; load and run nothing
     memory_budget_gib: float | None = None  # the device's capacity for the plan (TANDEM_MEMORY_BUDGET_GIB)
@@ -94,17 +99,25 @@ def model_and_data(cfg: RLBenchConfig):
 
 def grpo_kwargs(cfg: RLBenchConfig) -> dict:
     """The GRPOConfig of the colocated tandem run."""
+    from tandem.bench.rl_lengths import completion_range
+
     return dict(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
                 max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
                 engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
-                **batching(cfg))
+                use_cpu=cfg.device == "cpu", padding_free=cfg.padding_free,
+                max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
+                **batching(cfg, completion_range(cfg)[1]))
 
 
-def batching(cfg: RLBenchConfig) -> dict:
+def batching(cfg: RLBenchConfig, max_completion_length: int | None = None) -> dict:
+    """The GRPOConfig fields tandem and TRL share; max_completion_length: the longest drawn
+    completion (default: completion_len)."""
     per_step = cfg.num_prompts * cfg.num_generations
     return {
         "num_generations": cfg.num_generations, "per_device_train_batch_size": cfg.micro_batch,
-        "gradient_accumulation_steps": per_step // cfg.micro_batch, "max_completion_length": cfg.completion_len,
-        "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0, "bf16": torch.cuda.is_available(),
+        "gradient_accumulation_steps": per_step // cfg.micro_batch,
+        "max_completion_length": max_completion_length or cfg.completion_len,
+        "learning_rate": 1e-6, "beta": 0.0, "temperature": 1.0,
+        "bf16": cfg.device == "cuda" and torch.cuda.is_available(),
         "seed": cfg.seed, "max_steps": cfg.steps + 1, "logging_steps": 1, "optim": cfg.optim,
     } | ({} if cfg.gradient_checkpointing is None else {"gradient_checkpointing": cfg.gradient_checkpointing})

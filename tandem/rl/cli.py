@@ -101,6 +101,8 @@ FIELD_HELP = {
     "padding_free": "pack each micro-batch's rows into one sequence: no FLOP on padding",
     "batch_invariant": "engine and trainer score tokens with the same batch-invariant kernels: "
     "identical logprobs in bf16 (slower)",
+    "max_tokens_per_micro_batch": "with --padding-free: micro-batches of at most this many real "
+    "tokens, balanced, instead of --per-device-train-batch-size rows (same loss and gradients)",
     "use_liger_kernel": "accepted for TRL scripts; tandem's logprobs use its own chunked kernel",
     "use_vllm": "accepted for TRL scripts: tandem's engine always generates (False warns)",
     "vllm_server_host": "--vllm-mode server: the server's host (when no --vllm-server-base-url)",

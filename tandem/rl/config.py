@@ -113,6 +113,11 @@ class GRPOConfig:
     # trainer logprob| 0, importance ratio 1 on-policy); the gradient still comes from the HF
     # forward. One more forward per micro-batch and slower generation (docs/rl-numerics.md).
     batch_invariant: bool = False
+    # With padding_free: each optimizer step's rows grouped into micro-batches of at most this many
+    # real tokens (prompt + completion), balanced, instead of per_device_train_batch_size rows
+    # each (verl's use_dynamic_bsz + ppo_max_token_len_per_gpu). The loss and the gradients do not
+    # change: every loss_type is normalised over the whole step (`tandem.rl.micro_batches`).
+    max_tokens_per_micro_batch: int | None = None
 
     # Loss.
     beta: float = 0.0  # KL coefficient; 0 means no reference model is kept
@@ -258,6 +263,25 @@ class GRPOConfig:
         if self.max_prompt_length is not None:
             _at_least("max_prompt_length", self.max_prompt_length, 1, "or None for no limit")
         _at_least("max_completion_length", self.max_completion_length, 1)
+        self._check_token_budget()
+
+    def _check_token_budget(self) -> None:
+        budget = self.max_tokens_per_micro_batch
+        if budget is None:
+            return
+        _at_least("max_tokens_per_micro_batch", budget, 1, "or None for per_device_train_batch_size rows")
+        if not self.padding_free:
+            raise ValueError(
+                f"max_tokens_per_micro_batch ({budget}) counts real tokens and needs "
+                "padding_free=True: padded rows compute rows x the longest row, which the budget "
+                "does not bound"
+            )
+        longest = (self.max_prompt_length or 0) + self.max_completion_length
+        if self.max_prompt_length is not None and budget < longest:
+            raise ValueError(
+                f"max_tokens_per_micro_batch ({budget}) must be >= max_prompt_length + "
+                f"max_completion_length ({longest}): a sequence is never split over micro-batches"
+            )
 
     def _check_loss(self) -> None:
         if self.loss_type not in LOSS_TYPES:

@@ -76,6 +76,14 @@ class DistributedContext:
                 tensor.copy_(buf)
         return tensor
 
+    def all_reduce_max(self, value: int) -> int:
+        """The largest of every rank's value."""
+        if not self.enabled:
+            return value
+        buf = torch.tensor([value], dtype=torch.long, device=self.comm_device)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+        return int(buf.item())
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's tensor (same shape on each) concatenated along dim 0 in rank order."""
         if not self.enabled:

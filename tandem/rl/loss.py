@@ -8,6 +8,7 @@ log-probabilities the loss takes come from `tandem.rl.logprobs`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -148,6 +149,7 @@ def aggregate_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     num_micro_batches: int = 1,
+    row_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce per-token losses [N, S] over mask [N, T] to the scalar to backprop, as TRL does.
 
@@ -158,9 +160,13 @@ def aggregate_loss(
              batch (every micro-batch, every process); without it, as bnpo.
     A trainer summing gradients over `num_micro_batches` micro-batches passes that count so the
     accumulated loss is their mean; dapo with num_items_in_batch is already global and ignores it.
+    row_scale [N] (`step_row_scales`): each row's weight, the normalisation of the whole
+    optimizer step already in it; the loss is then sum_i row_scale[i] x row i's token losses.
     """
     mask = mask.to(per_token_loss.dtype)
     masked_NT = per_token_loss * mask  # [N, T]
+    if row_scale is not None:
+        return (masked_NT.sum(-1) * row_scale.to(masked_NT.dtype)).sum()
     if loss_type == "grpo":
         loss = (masked_NT.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo" or (loss_type == "dapo" and num_items_in_batch is None):
@@ -177,6 +183,46 @@ def aggregate_loss(
             f"loss_type must be 'grpo', 'dapo', 'dr_grpo' or 'bnpo', got {loss_type!r}"
         )
     return loss / num_micro_batches
+
+
+def step_row_scales(
+    mask: torch.Tensor,
+    loss_type: str,
+    micro_batches: Sequence[slice],
+    max_completion_length: int | None = None,
+    num_items_in_batch: torch.Tensor | float | None = None,
+    num_micro_batches: int | None = None,
+) -> torch.Tensor:
+    """`aggregate_loss`'s normalisation of one optimizer step, as a weight per row [R].
+
+    mask [N, T]; `micro_batches`: the step's micro-batches of per_device_train_batch_size rows
+    (R rows in all, in order), the ones the normalisation is defined over; `num_micro_batches`:
+    their count over every process (default: len(micro_batches)). A micro-batch made of any of
+    the step's rows then has loss sum_i scale[i] x row i's token losses, so however the rows are
+    grouped (`micro_batches.py`), the step's loss and gradient are those of these micro-batches.
+    """
+    tokens_N = mask.sum(-1, dtype=mask.dtype if mask.is_floating_point() else torch.float32)  # [N]
+    M = num_micro_batches or len(micro_batches)
+    parts = []
+    for s in micro_batches:
+        tokens_B, B = tokens_N[s], tokens_N[s].numel()
+        if loss_type == "grpo":
+            scale_B = 1.0 / (tokens_B.clamp(min=1.0) * B * M)
+        elif loss_type == "bnpo" or (loss_type == "dapo" and num_items_in_batch is None):
+            scale_B = (1.0 / (tokens_B.sum().clamp(min=1.0) * M)).expand(B)
+        elif loss_type == "dr_grpo":
+            if not max_completion_length:
+                raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+            scale_B = tokens_B.new_full((B,), 1.0 / (B * max_completion_length * M))
+        elif loss_type == "dapo":
+            total = torch.as_tensor(num_items_in_batch, dtype=tokens_B.dtype, device=tokens_B.device)
+            scale_B = (1.0 / total.clamp(min=1.0)).expand(B)
+        else:
+            raise ValueError(
+                f"loss_type must be 'grpo', 'dapo', 'dr_grpo' or 'bnpo', got {loss_type!r}"
+            )
+        parts.append(scale_B)
+    return torch.cat(parts)
 
 
 # ---- the composed loss ------------------------------------------------------------------------
@@ -209,6 +255,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: torch.Tensor | float | None = None,
     num_micro_batches: int = 1,
+    row_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss for one micro-batch, and its metrics (detached 0-d tensors, TRL's names).
 
@@ -216,6 +263,7 @@ def grpo_loss(
     logp.detach()); advantages [N]; mask [N, T] marks completion tokens that count.
     engine_logp [N, T]: the engine's sampling logprobs, given when the engine-vs-trainer
     importance-sampling correction is on. ref_logp [N, T] is needed when beta > 0.
+    row_scale [N]: the step-wide normalisation (`step_row_scales`), instead of the micro-batch's.
     """
     mask = mask.to(logp.dtype)
     old_logp = logp.detach() if old_logp is None else old_logp
@@ -252,7 +300,8 @@ def grpo_loss(
         metrics["kl"] = _masked_mean(kl_NT.detach(), mask)
 
     loss = aggregate_loss(
-        loss_NS, mask, loss_type, max_completion_length, num_items_in_batch, num_micro_batches
+        loss_NS, mask, loss_type, max_completion_length, num_items_in_batch, num_micro_batches,
+        row_scale,
     )
 
     with torch.no_grad():

@@ -102,8 +102,11 @@ class Workload:
                 "gpu_memory_utilization",
                 kv if kv != "auto" else EngineConfig.gpu_memory_utilization,
             )
+        rows = a.per_device_train_batch_size
+        if a.max_tokens_per_micro_batch:  # a packed micro-batch of up to that many tokens: as many rows' worth
+            rows = max(1, -(-a.max_tokens_per_micro_batch // row_len))
         return cls(
-            rows=a.per_device_train_batch_size,
+            rows=rows,
             row_len=row_len,
             engine_len=a.vllm_max_model_length or row_len,
             completion_len=a.max_completion_length,

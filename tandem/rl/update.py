@@ -15,10 +15,11 @@ import torch
 from tandem.rl.config import GRPOConfig
 from tandem.rl.guard import NonFiniteGuard, first_nonfinite_grad, is_finite, nonfinite_hint
 from tandem.rl.logprobs import SamplingFilter, completion_logps
-from tandem.rl.loss import grpo_loss, loss_kwargs_from_config
+from tandem.rl.loss import grpo_loss, loss_kwargs_from_config, step_row_scales
 from tandem.rl.memory_plan import GIB, MemoryPlan
 from tandem.rl.memory_setup import plan_with_measured_activations
 from tandem.rl.memory_stats import PeakMemory
+from tandem.rl.micro_batches import MicroBatches, fixed_steps, split_rows
 
 
 class PolicyUpdate:
@@ -46,8 +47,9 @@ class PolicyUpdate:
             peaks: PeakMemory | None = None, outside: int = 0) -> dict:
         """Optimise on one packed rollout (`rollout.pack`): num_iterations passes of
         gradient-accumulated optimizer steps, counted in `state.global_step`; returns the means of
-        the metrics over every rank's micro-batches. `peaks` records the train and optimizer-step
-        phases (`outside`: the engine's bytes mapped outside torch's allocator meanwhile)."""
+        the metrics over every rank's micro-batches (loss and grad_norm: over optimizer steps).
+        `peaks` records the train and optimizer-step phases (`outside`: the engine's bytes mapped
+        outside torch's allocator meanwhile)."""
         a = self.args
         peaks = peaks or PeakMemory(self.device)
         if self.scorer is not None:
@@ -59,22 +61,18 @@ class PolicyUpdate:
         cuda = self.device.type == "cuda"
         resident = torch.cuda.memory_allocated(self.device) if cuda else 0
         peaks.begin("train", outside)
-        N = data["completion_mask"].shape[0]
-        mb = a.per_device_train_batch_size
-        micro = [slice(s, min(s + mb, N)) for s in range(0, N, mb)]
+        data, advantages, scale, split = self._micro_batches(data, advantages)
+        micro = [s for step in split.steps for s in step]
+        budget = a.max_tokens_per_micro_batch
+        fill = {s.start: t / budget for s, t in zip(micro, split.tokens)} if budget else {}
         needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
-        old_logp = self.logps(self.model, data, no_grad=True) if needs_old else None
-        ref_logp = self.logps(self.ref_model, data, no_grad=True) if self.ref_model is not None else None
-        sums: dict[str, float] = {}
-        count = 0
-        ga = a.gradient_accumulation_steps
+        old_logp = self._no_grad_logps(self.model, data, micro) if needs_old else None
+        ref_logp = self._no_grad_logps(self.ref_model, data, micro) if self.ref_model is not None else None
+        sums: dict[str, float] = {}  # per micro-batch
+        step_losses = step_norms = 0.0  # summed over steps; step_losses over this rank's micro-batches
+        count = num_steps = 0
         for _ in range(a.num_iterations):
-            for g in range(0, len(micro), ga):
-                group = micro[g : g + ga]
-                # dapo divides by the tokens of the whole step, all ranks'; the other loss types
-                # average over all ranks' micro-batches: the gradient all-reduce is then a SUM.
-                tokens = self.dist.all_reduce_sum(sum(data["completion_mask"][s].sum() for s in group))
-                num_micro = len(group) * self.dist.world_size
+            for group in split.steps:
                 first_bad = None
                 for s in group:
                     logp = self.logps(self.model, data, rows=s)
@@ -82,16 +80,17 @@ class PolicyUpdate:
                         logp, None if old_logp is None else old_logp[s], advantages[s],
                         data["completion_mask"][s], engine_logp=data["engine_logp"][s]
                         if a.vllm_importance_sampling_correction else None,
-                        ref_logp=None if ref_logp is None else ref_logp[s],
-                        num_items_in_batch=tokens, num_micro_batches=num_micro, **self.loss_kwargs,
+                        ref_logp=None if ref_logp is None else ref_logp[s], row_scale=scale[s], **self.loss_kwargs,
                     )
                     loss.backward()
-                    m["loss"] = loss.detach() * num_micro
+                    step_losses += float(loss.detach())  # this micro-batch's share of the step's loss
+                    if budget:  # the share of the budget this micro-batch's real tokens take
+                        m["train/micro_batch_fill"] = fill[s.start]
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
-                    if first_bad is None and not is_finite(m["loss"]):
+                    if first_bad is None and not is_finite(loss.detach()):
                         what = "logprobs" if not torch.isfinite(logp.detach()).all() else "loss"
-                        first_bad = f"the trainer's {what} of rows {s.start}-{s.stop - 1}"
+                        first_bad = f"the trainer's {what} of {split.describe(s)}"
                     count += 1
                 self.strategy.reduce_grads(self.model)
                 # The norm is global (after the all-reduce / over every shard); inf max_norm only
@@ -99,8 +98,8 @@ class PolicyUpdate:
                 norm = self.strategy.clip_grad_norm(self.model.parameters(), a.max_grad_norm or math.inf)
                 local_bad = torch.tensor(float(first_bad is not None), device=self.device)
                 finite = is_finite(norm) and float(self.dist.all_reduce_sum(local_bad)) == 0
-                if a.max_grad_norm:
-                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm * len(group)
+                step_norms += norm
+                num_steps += 1
                 if not finite and first_bad is None:
                     first_bad = first_nonfinite_grad(self.model)
                 state.global_step += 1
@@ -111,9 +110,15 @@ class PolicyUpdate:
                     peaks.begin("train", outside)
                     on_weights_changed()
                 self.optimizer.zero_grad(set_to_none=True)
-        sums = self.dist.sum_dicts({**sums, "_count": float(count)})  # means over every rank's micro-batches
-        count = sums.pop("_count")
-        metrics = {k: v / max(1, count) for k, v in sums.items()}
+        totals = self.dist.sum_dicts({**sums, "_count": float(count), "_loss": step_losses,
+                                      "_tokens": float(sum(split.tokens))})
+        count, loss_sum, tokens = totals.pop("_count"), totals.pop("_loss"), totals.pop("_tokens")
+        metrics = {k: v / max(1, count) for k, v in totals.items()}  # means over every rank's micro-batches
+        metrics["loss"] = loss_sum / max(1, num_steps)  # every rank's shares: the steps' losses
+        if a.max_grad_norm:
+            metrics["grad_norm"] = step_norms / max(1, num_steps)  # global already
+        metrics["train/micro_batches"] = len(micro) / len(split.steps)  # per optimizer step, each rank
+        metrics["train/tokens"] = tokens  # real prompt + completion tokens of the rows, every rank's
         metrics["train/nonfinite_steps"] = self.guard.total
         peaks.end()
         metrics["memory/recompute"] = float(self.recompute)
@@ -126,26 +131,54 @@ class PolicyUpdate:
         self.guard.warn_if_dropped_wholesale(state.global_step, metrics, a.vllm_importance_sampling_mode)
         return metrics
 
+    def _micro_batches(self, data: dict, advantages: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, MicroBatches]:
+        """Each optimizer step's micro-batches (`micro_batches.py`), the rows reordered so each is a
+        contiguous slice, and each row's weight in its step's loss. The weights come from the fixed
+        micro-batches (TRL's), so a token-budget split changes no number."""
+        a = self.args
+        mask = data["completion_mask"]
+        fixed = fixed_steps(mask.shape[0], a.per_device_train_batch_size, a.gradient_accumulation_steps)
+        scale = torch.cat([self._row_scales(mask, step) for step in fixed])  # [N]
+        split = split_rows(data["attention_mask"], a.per_device_train_batch_size, a.gradient_accumulation_steps,
+                           a.max_tokens_per_micro_batch, self.dist.all_reduce_max)
+        if split.order is not None:
+            data = {k: v[split.order] for k, v in data.items()}
+            advantages, scale = advantages[split.order], scale[split.order]
+        return data, advantages, scale, split
+
+    def _row_scales(self, mask: torch.Tensor, step: list[slice]) -> torch.Tensor:
+        """One optimizer step's normalisation, per row (`loss.step_row_scales`). dapo divides by
+        the tokens of the whole step, all ranks'; the other loss types average over all ranks'
+        micro-batches: the gradient all-reduce is then a SUM."""
+        tokens = self.dist.all_reduce_sum(sum(mask[s].sum() for s in step))
+        return step_row_scales(mask, self.args.loss_type, step, self.args.max_completion_length,
+                               tokens, len(step) * self.dist.world_size)
+
+    def _no_grad_logps(self, model, data: dict, micro: list[slice]) -> torch.Tensor:
+        """Logprobs [N, T] of every row without a graph, one micro-batch at a time."""
+        return torch.cat([self.logps(model, data, rows=s, no_grad=True) for s in micro])
+
     def logps(self, model, data: dict, rows: slice = slice(None), no_grad: bool = False) -> torch.Tensor:
         """Per-token logprobs [rows, T] of the packed rollout's completions under `model`, in the
-        trainer's precision and under the engine's sampling distribution. With a scorer
-        (batch_invariant) the policy's values are the scorer's, exact; the HF forward gives their
-        gradient."""
+        trainer's precision and under the engine's sampling distribution. Under a token budget
+        `rows` is one micro-batch and runs as one forward pass. With a scorer (batch_invariant) the
+        policy's values are the scorer's, exact; the HF forward gives their gradient."""
+        a = self.args
         exact = None
         if self.scorer is not None and model is self.model:
             exact = self.scorer.logps(data["input_ids"][rows], data["attention_mask"][rows],
-                                      data["prompt_lengths"][rows], data["completion_mask"].shape[1],
-                                      self.args.temperature)
+                                      data["prompt_lengths"][rows], data["completion_mask"].shape[1], a.temperature)
             if no_grad:
                 return exact
         # No autocast weight cache: each weight is cast once a forward anyway, and under recompute the
         # cache would hold a bf16 copy of every weight to the forward's end (2 B a parameter).
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
                     if self.use_bf16 else nullcontext())
+        micro_batch_size = None if a.max_tokens_per_micro_batch else a.per_device_train_batch_size
         with torch.no_grad() if no_grad else nullcontext(), autocast:
             logp = completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
                                     data["prompt_lengths"][rows], data["completion_mask"].shape[1],
-                                    self.args.temperature, self.args.per_device_train_batch_size,
+                                    a.temperature, micro_batch_size,
                                     head_dtype=torch.bfloat16 if self.use_bf16 else None,
-                                    sampling=self.sampling_filter, padding_free=self.args.padding_free)
+                                    sampling=self.sampling_filter, padding_free=a.padding_free)
         return logp if exact is None else logp + (exact - logp).detach()

@@ -86,11 +86,27 @@ def test_generation_batch_is_derived_either_way():
         ({"report_to": ["tensorbored"]}, "report_to entry must be one of"),
         ({"save_total_limit": 0}, "save_total_limit must be >= 1"),
         ({"beta": -1.0}, "beta must be >= 0"),
+        ({"max_tokens_per_micro_batch": 4096}, r"max_tokens_per_micro_batch \(4096\) .*needs padding_free=True"),
+        ({"max_tokens_per_micro_batch": 0, "padding_free": True}, "max_tokens_per_micro_batch must be >= 1"),
+        (
+            {"max_tokens_per_micro_batch": 700, "padding_free": True},
+            (
+                r"max_tokens_per_micro_batch \(700\) must be >= max_prompt_length \+ "
+                r"max_completion_length \(768\)"
+            ),
+        ),
     ],
 )
 def test_errors_say_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GRPOConfig(**kwargs)
+
+
+def test_a_token_budget_is_checked_against_what_can_be_checked():
+    c = GRPOConfig(padding_free=True, max_tokens_per_micro_batch=768)  # 512 + 256: the longest fits
+    assert c.max_tokens_per_micro_batch == 768
+    # no prompt limit: the trainer checks each step's longest row instead
+    assert GRPOConfig(padding_free=True, max_prompt_length=None, max_tokens_per_micro_batch=300)
 
 
 def test_trl_value_aliases():

@@ -22,19 +22,22 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "What is 2 + 3?", "O
 # Global batch: 4 prompts x 4 generations = 16 completions in micro-batches of 4, one optimizer
 # step. One process accumulates 4 micro-batches; each of the 2 ranks accumulates its own 2.
 NUM_GENERATIONS, MICRO, GLOBAL_MICRO_BATCHES = 4, 4, 4
+# Token-budget micro-batches on each rank (40 = max_prompt_length + max_completion_length); SGD, so
+# equal weights after the step are equal gradients (Adam would magnify rounding in near-0 ones).
+BUDGET = {"padding_free": True, "max_tokens_per_micro_batch": 40, "optim": "sgd"}
 
 
 def target_share(prompts, completions, completion_ids, **kwargs):
     return [sum(t == TARGET for t in ids) / max(1, len(ids)) for ids in completion_ids]
 
 
-def make_trainer(output_dir, loss_type: str, world_size: int) -> GRPOTrainer:
+def make_trainer(output_dir, loss_type: str, world_size: int, **overrides) -> GRPOTrainer:
     cfg = GRPOConfig(
         output_dir=str(output_dir), num_generations=NUM_GENERATIONS, per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=GLOBAL_MICRO_BATCHES // world_size, max_completion_length=8,
         max_prompt_length=32, learning_rate=1e-2, max_steps=4, temperature=1.0, report_to="none",
         gradient_checkpointing=False, lr_scheduler_type="constant", seed=0, loss_type=loss_type,
-        vllm_gpu_memory_utilization=0.1, save_steps=10**6,
+        vllm_gpu_memory_utilization=0.1, save_steps=10**6, **overrides,
     )
     return GRPOTrainer(make_tiny_model("llama", seed=3), target_share, cfg,
                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
@@ -62,6 +65,8 @@ def _rank(rank: int, store: str, out_dir: str) -> None:
                     "weights": resumed.model.state_dict(),
                     "checkpoints": sorted(os.listdir(os.path.join(out_dir, LOSS_TYPES[-1])))},
                    os.path.join(out_dir, f"resumed-rank{rank}.pt"))
+        budget = make_trainer(os.path.join(out_dir, "budget"), "grpo", WORLD, **BUDGET)
+        torch.save(_snapshot(budget, budget.step()), os.path.join(out_dir, f"budget-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -90,6 +95,23 @@ def test_data_parallel_step_equals_single_process_step(dp_run, tmp_path, loss_ty
     # the step really moved the weights
     before = make_tiny_model("llama", seed=3).state_dict()
     assert any(not torch.equal(before[k].float(), v) for k, v in ref["weights"].items())
+
+
+@pytest.mark.slow
+def test_data_parallel_token_budget_step_equals_the_fixed_single_process_step(dp_run, tmp_path):
+    """Each rank splits its rows by the token budget; the ranks agree on how many micro-batches
+    they run, and the step is the single process's with fixed padded micro-batches (grpo: each
+    row's weight depends on its fixed micro-batch)."""
+    single = make_trainer(tmp_path, "grpo", world_size=1, optim="sgd")
+    ref = _snapshot(single, single.step())
+    ranks = [torch.load(dp_run / f"budget-rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    assert ranks[0]["metrics"]["train/micro_batches"] == ranks[1]["metrics"]["train/micro_batches"] > 1
+    for r, got in enumerate(ranks):
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][name], w, atol=1e-6, rtol=0,
+                                       msg=lambda m, r=r, name=name: f"rank {r} {name}: {m}")
+        for key in ("loss", "grad_norm", "train/tokens"):  # fp32: 1e-5 relative
+            assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-6), (r, key)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from tandem.rl.loss import (
     log_importance_ratio,
     loss_kwargs_from_config,
     reward_metrics,
+    step_row_scales,
 )
 
 E = math.e
@@ -186,6 +187,34 @@ def test_dapo_over_micro_batches_equals_one_big_batch_token_mean():
         for i in range(0, 6, 2)
     )
     assert split.item() == pytest.approx(aggregate_loss(loss, mask, "bnpo").item())
+
+
+def test_step_row_scales_hand_computed():
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]])  # 2, 1, 3, 0 tokens
+    micro = [slice(0, 2), slice(2, 4)]  # two micro-batches of 2 rows; on 2 processes: 4 in all
+    cases = {
+        "grpo": [1 / (2 * 2 * 4), 1 / (1 * 2 * 4), 1 / (3 * 2 * 4), 1 / (1 * 2 * 4)],  # 1 / (len B M)
+        "bnpo": [1 / (3 * 4)] * 2 + [1 / (3 * 4)] * 2,  # 1 / (the micro-batch's tokens x M)
+        "dr_grpo": [1 / (2 * 3 * 4)] * 4,  # 1 / (B x max_completion_length x M)
+        "dapo": [1 / 12] * 4,  # 1 / the whole step's tokens, every process's
+    }
+    for loss_type, expected in cases.items():
+        got = step_row_scales(mask, loss_type, micro, max_completion_length=3, num_items_in_batch=12,
+                              num_micro_batches=4)
+        torch.testing.assert_close(got, torch.tensor(expected), msg=loss_type)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_row_scales_give_the_micro_batch_losses_whatever_the_grouping(loss_type):
+    torch.manual_seed(1)
+    loss = torch.randn(6, 5, dtype=torch.float64)
+    mask = (torch.rand(6, 5) > 0.4).double()
+    micro = [slice(0, 3), slice(3, 6)]
+    fixed = sum(aggregate_loss(loss[s], mask[s], loss_type, 5, mask.sum(), 2) for s in micro)
+    scale = step_row_scales(mask, loss_type, micro, 5, mask.sum()).double()
+    regrouped = [torch.tensor([0, 4]), torch.tensor([1, 2, 3, 5])]  # other rows together
+    total = sum(aggregate_loss(loss[r], mask[r], loss_type, row_scale=scale[r]) for r in regrouped)
+    assert total.item() == pytest.approx(fixed.item(), rel=1e-12)
 
 
 def test_sequence_level_loss_broadcasts_over_tokens():
