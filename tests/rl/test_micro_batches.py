@@ -13,6 +13,7 @@ from model_fixtures import make_tiny_model
 from tandem.rl.config import GRPOConfig
 from tandem.rl.distributed import DistributedContext
 from tandem.rl.logprobs import completion_logps
+from tandem.rl.memory_setup import plan_before_loading
 from tandem.rl.micro_batches import balanced_bins, fixed_steps, split_rows, token_budget_bins
 from tandem.rl.rollout import Rollout, pack
 from tandem.rl.strategy import make_strategy
@@ -115,7 +116,9 @@ def _update(model, loss_type: str, budget: int | None, beta: float, num_iteratio
     opt = RecordingSGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
     dist = DistributedContext()
-    return PolicyUpdate(model, ref, opt, sched, make_strategy(False, dist), dist, args, torch.device("cpu"), False)
+    plan = plan_before_loading(model, args, None, {"device": "cpu"}, torch.device("cpu"), False, 1)
+    return PolicyUpdate(model, ref, opt, sched, make_strategy(False, dist), dist, args, torch.device("cpu"), False,
+                        plan)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
