@@ -129,6 +129,10 @@ class Worker:
         t0 = time.perf_counter()
         timings = {}
         kv_store = self.model_runner.kv_store
+        if self.device.type == "cuda" and not (self.weight_store.resident and kv_store.resident):
+            # A colocated trainer's caching allocator still holds what its training phase freed;
+            # the engine maps its memory outside that cache (CUDA VMM), so hand it back first.
+            torch.cuda.empty_cache()
         if "weights" in tags and not self.weight_store.resident:
             # the weights' host-to-device copy runs while the host maps the KV cache below
             if not self.weight_store.restore(sync=False):
