@@ -55,7 +55,13 @@ def _imports(path: Path, module: str):
             continue
         else:
             continue
-        if target == "tandem" or target.startswith("tandem."):
+        if target == "tandem":  # `from tandem import batch_invariant`: that module, not the root
+            modules = {n for n in names if (ROOT / f"{n}.py").exists() or (ROOT / n).is_dir()}
+            for n in sorted(modules):
+                yield node.lineno, f"tandem.{n}", frozenset()
+            if names - modules:
+                yield node.lineno, target, names - modules
+        elif target.startswith("tandem."):
             # `from tandem.x import y` where y is a module counts as importing tandem.x.y
             yield node.lineno, target, names
 

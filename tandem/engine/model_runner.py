@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import torch
 
-import tandem.batch_invariant as batch_invariant
+from tandem import batch_invariant
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence

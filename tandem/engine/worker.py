@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-import tandem.batch_invariant as batch_invariant
+from tandem import batch_invariant
 from tandem.config import EngineConfig
 from tandem.engine.cumem import vmm_available
 from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import tandem.batch_invariant as batch_invariant
+from tandem import batch_invariant
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:

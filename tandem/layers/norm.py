@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import tandem.batch_invariant as batch_invariant
+from tandem import batch_invariant
 from tandem.kernels.rmsnorm_ref import fused_add_rms_norm_ref, rms_norm_ref
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import tandem.batch_invariant as batch_invariant
+from tandem import batch_invariant
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-import tandem.batch_invariant as batch_invariant
+from tandem import batch_invariant
 from tandem.forward_context import AttentionMetadata
 from tandem.kernels.decode_attention import decode_attention
 from tandem.kernels.kv_cache import store_kvcache

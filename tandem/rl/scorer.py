@@ -58,7 +58,7 @@ class BatchInvariantScorer:
         if self.stale:
             self.refresh()
         dev = self.device
-        B, L = input_ids.shape
+        B = input_ids.shape[0]
         lengths = attention_mask.sum(1)
         lens = lengths.tolist()
         real = attention_mask.bool()

@@ -5,8 +5,7 @@ import pytest
 import torch
 from model_fixtures import make_tiny_model, make_tokenizer
 
-import tandem.batch_invariant as batch_invariant
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, batch_invariant
 from tandem.rl import GRPOConfig
 from tandem.rl.rollout import Rollout, pack
 from tandem.rl.scorer import BatchInvariantScorer
