@@ -45,12 +45,9 @@ def enabled(on: bool = True):
         _enabled = prev
 
 
-def check_supported(device_type: str, tensor_parallel_size: int = 1) -> None:
-    """ValueError naming `batch_invariant` when this run cannot have it."""
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            f"batch_invariant=True needs tensor_parallel_size=1 (got {tensor_parallel_size}): the "
-            "all-reduce of a sharded layer sums in its own order")
+def check_supported(device_type: str) -> None:
+    """ValueError naming `batch_invariant` when this device cannot run its kernels (EngineConfig
+    refuses tensor parallelism with it)."""
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"batch_invariant=True runs Triton kernels: it needs a CUDA device (got {device_type!r}), "

@@ -39,7 +39,7 @@ class Worker:
         self.max_model_len = max_model_len
         self.device = resolve_device(config.device, source.hf_model)
         if config.batch_invariant:  # before the model runs anything
-            batch_invariant.check_supported(self.device.type, config.tensor_parallel_size)
+            batch_invariant.check_supported(self.device.type)
             batch_invariant.enable()
         self.dtype = resolve_dtype(config.dtype, source.hf_config, self.device, source.hf_model)
         self.model = build_model(source.hf_config, max_model_len, self.dtype, self.device)

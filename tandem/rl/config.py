@@ -366,9 +366,8 @@ class GRPOConfig:
                 f"repetition_penalty must be > 0 (1.0 disables it), got {self.repetition_penalty}"
             )
         if self.batch_invariant:
-            dropped = {k: v for k, v in (("top_k", self.top_k), ("top_p", self.top_p), ("min_p", self.min_p),
-                                         ("repetition_penalty", self.repetition_penalty))
-                       if v != {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}[k]}
+            off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+            dropped = {k: getattr(self, k) for k, v in off.items() if getattr(self, k) != v}
             if dropped:
                 raise ValueError(
                     f"batch_invariant=True scores tokens under softmax(logits / temperature); {dropped} "

@@ -52,12 +52,6 @@ class PolicyUpdate:
         outside torch's allocator meanwhile)."""
         a = self.args
         peaks = peaks or PeakMemory(self.device)
-        if self.scorer is not None:
-            notify = on_weights_changed
-
-            def on_weights_changed():
-                notify()
-                self.scorer.mark_stale()
         cuda = self.device.type == "cuda"
         resident = torch.cuda.memory_allocated(self.device) if cuda else 0
         peaks.begin("train", outside)
@@ -109,6 +103,8 @@ class PolicyUpdate:
                     self.scheduler.step()
                     peaks.begin("train", outside)
                     on_weights_changed()
+                    if self.scorer is not None:
+                        self.scorer.mark_stale()
                 self.optimizer.zero_grad(set_to_none=True)
         totals = self.dist.sum_dicts({**sums, "_count": float(count), "_loss": step_losses,
                                       "_tokens": float(sum(split.tokens))})

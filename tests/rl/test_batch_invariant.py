@@ -7,7 +7,8 @@ from model_fixtures import make_tiny_model, make_tokenizer
 
 from tandem import LLM, SamplingParams, batch_invariant
 from tandem.rl import GRPOConfig
-from tandem.rl.rollout import Rollout, pack
+from tandem.rl.data import PromptBatch
+from tandem.rl.rollout import generate_rollout, pack
 from tandem.rl.scorer import BatchInvariantScorer
 from tests.rl.test_trainer import make_trainer
 
@@ -18,16 +19,15 @@ def _restore_mode():
         yield
 
 
-def _rollout(llm, prompts, params) -> Rollout:
-    r = Rollout([], [], [], [], [])
-    for ids, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        for c in out.outputs:
-            r.prompt_ids.append(ids)
-            r.completion_ids.append(list(c.token_ids))
-            r.engine_logps.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-            r.truncated.append(c.finish_reason == "length")
-            r.texts.append(c.text)
-    return r
+def _engine_and_scorer(model, llm, prompts, params, device, dtype):
+    """The engine's rollout (packed), a scorer on the same weights, and its logprobs of it."""
+    batch = PromptBatch(list(range(len(prompts))), prompts, [""] * len(prompts), prompts, {})
+    data = pack(generate_rollout(llm, batch, params.n, params, seed=params.seed), 0, torch.device(device))
+    scorer = BatchInvariantScorer(model.config, llm.llm_engine.max_model_len, torch.device(device),
+                                  lambda: model.state_dict().items(), dtype)
+    got = scorer.logps(data["input_ids"], data["attention_mask"], data["prompt_lengths"],
+                       data["completion_mask"].shape[1], params.temperature)
+    return data, scorer, got
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biases in the q/k/v GEMM's epilogue
@@ -39,11 +39,7 @@ def test_scorer_equals_engine_logprobs_exactly(arch, tmp_path):
               max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64, logprobs_mode="processed_logprobs")
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36]]
     params = SamplingParams(n=3, max_tokens=7, temperature=0.8, logprobs=0, seed=4, ignore_eos=True)
-    data = pack(_rollout(llm, prompts, params), 0, torch.device("cpu"))
-    scorer = BatchInvariantScorer(model.config, llm.llm_engine.max_model_len, torch.device("cpu"),
-                                  lambda: model.state_dict().items(), torch.float32)
-    got = scorer.logps(data["input_ids"], data["attention_mask"], data["prompt_lengths"],
-                       data["completion_mask"].shape[1], 0.8)
+    data, scorer, got = _engine_and_scorer(model, llm, prompts, params, "cpu", torch.float32)
     mask = data["completion_mask"].bool()
     assert mask.sum() == 9 * 7
     assert torch.equal(got[mask], data["engine_logp"][mask])
@@ -95,11 +91,7 @@ def test_smollm2_bf16_engine_and_scorer_agree_on_the_gpu(smollm2_dir):
     prompts = [tok(f"What is {a} + {b}? Answer with the number.")["input_ids"] for a, b in
                [(3, 4), (12, 30), (7, 7), (41, 2), (19, 23), (5, 0), (33, 11), (8, 27)]]
     params = SamplingParams(n=8, max_tokens=48, temperature=1.0, logprobs=0, seed=0)
-    data = pack(_rollout(llm, prompts, params), 0, torch.device("cuda"))
-    scorer = BatchInvariantScorer(model.config, llm.llm_engine.max_model_len, torch.device("cuda"),
-                                  lambda: model.state_dict().items(), torch.bfloat16)
-    got = scorer.logps(data["input_ids"], data["attention_mask"], data["prompt_lengths"],
-                       data["completion_mask"].shape[1], 1.0)
+    data, _, got = _engine_and_scorer(model, llm, prompts, params, "cuda", torch.bfloat16)
     mask = data["completion_mask"].bool()
     diff = (got - data["engine_logp"]).abs()[mask]
     print(f"batch_invariant bf16: {int(mask.sum())} tokens, max |dlogp| {diff.max().item():.3g}")
