@@ -88,17 +88,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @triton.jit
 def _token_logprobs_kernel(
-    logits_ptr, stride_l, tokens_ptr, out_ptr, V,
+    logits_ptr, stride_l, tokens_ptr, inv_t_ptr, out_ptr, V,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_l
+    inv_t = tl.load(inv_t_ptr + row)
     offs = tl.arange(0, BLOCK)
     # Per-lane running max and sum, combined once at the end: a fixed order for every row.
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
-        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(base + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32) * inv_t
         new_m = tl.maximum(m, x)
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)
         s = s * tl.exp(m - safe) + tl.exp(x - safe)
@@ -106,17 +107,21 @@ def _token_logprobs_kernel(
     row_max = tl.max(m, 0)
     total = tl.sum(s * tl.exp(m - row_max), 0)
     tok = tl.load(tokens_ptr + row)
-    picked = tl.load(base + tok).to(tl.float32)
+    picked = tl.load(base + tok).to(tl.float32) * inv_t
     tl.store(out_ptr + row, picked - row_max - tl.log(total))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits [R, V])[tokens] -> [R] fp32 (temperature already applied)."""
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """log_softmax(logits [R, V] * (1 / T))[tokens] -> [R] fp32; temperature [R] (None: 1)."""
     R, V = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    if temperature is None:
+        inv_t = torch.ones(R, dtype=torch.float32, device=logits.device)
+    else:
+        inv_t = 1.0 / temperature.float()
     out = torch.empty(R, dtype=torch.float32, device=logits.device)
     if R:
-        _token_logprobs_kernel[(R,)](logits, logits.stride(0), tokens.contiguous(), out, V,
+        _token_logprobs_kernel[(R,)](logits, logits.stride(0), tokens.contiguous(), inv_t.contiguous(), out, V,
                                      BLOCK=VOCAB_BLOCK, num_warps=4)
     return out

@@ -14,6 +14,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out.to(out_dtype or x.dtype)
 
 
-def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits)[token] per row, in fp32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.long()[:, None]).squeeze(1)
+def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits / T)[token] per row, in fp32."""
+    lp = torch.log_softmax(logits.float() / temperature.float()[:, None], dim=-1)
+    return lp.gather(1, tokens.long()[:, None]).squeeze(1)

@@ -142,16 +142,9 @@ def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, want_ranks: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log_softmax(logits)[token] as logit[token] - logsumexp, and (optionally) the token's rank
-    (1 = most likely), without materialising the [S, V] log-probabilities. Under batch_invariant
-    the logprob is one program per row in a fixed order (a trainer's scorer calls the same
-    kernel), where torch's reduction may split a row across programs when rows are few."""
+    (1 = most likely), without materialising the [S, V] log-probabilities."""
     picked = logits.gather(1, token_ids[:, None])  # [S, 1]
-    if batch_invariant.is_enabled():
-        from tandem.kernels.batch_invariant import token_logprobs as row_invariant_logprobs
-
-        logprobs = row_invariant_logprobs(logits, token_ids)
-    else:
-        logprobs = (picked - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
+    logprobs = (picked - torch.logsumexp(logits, dim=-1, keepdim=True)).squeeze(1)
     ranks = (logits > picked).sum(dim=-1) + 1 if want_ranks else None
     return logprobs, ranks
 
@@ -174,10 +167,37 @@ class Sampler(nn.Module):
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
-        # batch_invariant: the torch path, whose sampled-token logprob is then row-invariant
-        if logits.is_cuda and self.fused_supports(m) and not batch_invariant.is_enabled():
+        if batch_invariant.is_enabled():
+            return self._batch_invariant(logits, m)
+        if logits.is_cuda and self.fused_supports(m):
             return self._fused(logits, m)
         return self._torch(logits, m)
+
+    def _batch_invariant(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
+        """Sampled as usual; the sampled token's logprob from the row-wise kernel that a trainer's
+        scorer calls too (`tandem.kernels.batch_invariant.token_logprobs`). With top-k/top-p/min-p
+        the dropped tokens are -inf in the raw logits it reads, so it renormalises over the kept
+        set as the processed logprobs do."""
+        from tandem.kernels.batch_invariant import token_logprobs
+
+        raw = logits.float().clone()  # the sampling paths below may write into `logits`
+        fused = logits.is_cuda and self.fused_supports(m)
+        out = self._fused(logits, m) if fused else self._torch(logits, m)
+        if out.topk_logprobs is not None:
+            return out  # top-k logprob lists: the plain path's numbers (not covered by the mode)
+        apply_logit_bias(raw, m)
+        if m.output_counts is not None:
+            raw = apply_penalties(raw, m)
+        if m.processed_logprobs and not m.all_greedy and (m.top_k is not None or m.top_p is not None
+                                                          or m.min_p is not None):
+            kept = raw / m.temperature[:, None]
+            if m.top_k is not None or m.top_p is not None:
+                kept = apply_top_k_top_p(kept, m.top_k, m.top_p)
+            if m.min_p is not None:
+                kept = apply_min_p(kept, m.min_p)
+            raw = raw.masked_fill(kept == float("-inf"), float("-inf"))
+        out.logprobs = token_logprobs(raw, out.token_ids, m.temperature if m.processed_logprobs else None)
+        return out
 
     @staticmethod
     def fused_supports(m: SamplingMetadata) -> bool:

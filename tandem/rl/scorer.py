@@ -98,11 +98,10 @@ class BatchInvariantScorer:
         out = torch.zeros(B, num_completion_tokens, dtype=torch.float32, device=dev)
         scored = torch.empty(flat.numel(), dtype=torch.float32, device=dev)
         chunk = max(1, _LOGITS_BYTES // (4 * cfg.vocab_size))
-        # divided by a tensor, as the sampler divides (a Python scalar may become a reciprocal product)
-        temp = torch.tensor([[temperature]], dtype=torch.float32, device=dev)
+        temp = torch.full((min(chunk, max(1, flat.numel())),), float(temperature), device=dev)
         for s in range(0, flat.numel(), chunk):
             e = min(s + chunk, flat.numel())
             logits = self.model.compute_logits(hidden[flat[s:e] - 1])
-            scored[s:e] = token_logprobs(logits / temp, targets[s:e])
+            scored[s:e] = token_logprobs(logits, targets[s:e], temp[: e - s])
         out[valid] = scored
         return out

@@ -49,17 +49,20 @@ def test_token_logprobs_match_torch(V, device):
     gen = torch.Generator().manual_seed(1)
     logits = (4 * torch.randn(9, V, generator=gen)).to(device)
     tokens = torch.randint(0, V, (9,), generator=gen).to(device)
-    processed = logits / torch.linspace(0.5, 1.5, 9).to(device)[:, None]  # as the sampler divides
-    for x in (logits, processed):
-        torch.testing.assert_close(token_logprobs(x, tokens), token_logprobs_ref(x, tokens), atol=2e-5, rtol=1e-5)
+    temperature = torch.linspace(0.5, 1.5, 9).to(device)
+    out = token_logprobs(logits, tokens, temperature)
+    torch.testing.assert_close(out, token_logprobs_ref(logits, tokens, temperature), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(token_logprobs(logits, tokens), token_logprobs_ref(logits, tokens, torch.ones(9)
+                                                                                    .to(device)), atol=2e-5, rtol=1e-5)
 
 
 def test_token_logprobs_row_does_not_depend_on_the_batch(device):
     gen = torch.Generator().manual_seed(2)
-    logits = (4 * torch.randn(12, 2500, generator=gen)).to(device) / 0.7
+    logits = (4 * torch.randn(12, 2500, generator=gen)).to(device)
     logits[3, 100:] = float("-inf")  # a masked tail (top-k style) is handled, not NaN
     tokens = torch.randint(0, 100, (12,), generator=gen).to(device)
-    full = token_logprobs(logits, tokens)
+    t = torch.full((12,), 0.7, device=device)
+    full = token_logprobs(logits, tokens, t)
     assert torch.isfinite(full).all()
     for rows in (slice(0, 1), slice(3, 4), slice(5, 12)):
-        assert torch.equal(token_logprobs(logits[rows], tokens[rows]), full[rows])
+        assert torch.equal(token_logprobs(logits[rows], tokens[rows], t[rows]), full[rows])
