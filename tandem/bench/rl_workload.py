@@ -87,7 +87,10 @@ def model_and_data(cfg: RLBenchConfig):
     from tandem.models.loader import init_dummy_weights
 
     hf_config = hf_config_of(cfg)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    # built where it trains: a 7B model's fp32 init takes minutes on the host, a second on a GPU
+    device = "cuda" if cfg.device == "cuda" and torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     init_dummy_weights(model, cfg.seed)
     tok = synthetic_tokenizer(hf_config.vocab_size, hf_config.eos_token_id)
     rng = random.Random(cfg.seed)

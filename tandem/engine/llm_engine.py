@@ -277,7 +277,8 @@ class LLMEngine:
         advance = None
         if in_flight is not None and in_flight[1].advances_grammars:
             advance = functools.partial(self._advance_grammars, *in_flight)
-        sampled = self.worker.execute_model(sched, prev, advance)
+        # a step with grammar masks reads the in-flight step back while its masks are filled
+        sampled = self.worker.execute_model(sched, prev, advance, self.drain if self.async_scheduling else None)
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
         runner = self.worker.model_runner
@@ -337,22 +338,30 @@ class LLMEngine:
                 touched[seq.request_id] = state
 
     def _advance_grammars(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
-        """The in-flight step's constrained rows: their grammars take the sampled tokens now (the
-        rest of the step's read-back comes later, in drain)."""
+        """The in-flight step's constrained rows: their grammars take the sampled tokens now, in
+        one batch call (the rest of the step's read-back comes later, in drain)."""
         token_ids = sampled.get()[0]
+        seqs, tokens = [], []
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if smp:
                 row += 1
                 if seq.matcher is not None and seq.has_placeholder:
-                    self._advance_grammar(seq, token_ids[row])
+                    seqs.append(seq)
+                    tokens.append(token_ids[row])
+        taken = self.worker.model_runner.fill_bitmask.consume([s.matcher for s in seqs], tokens)
+        for seq, ok in zip(seqs, taken):
+            self._grammar_took(seq, ok)
         sampled.grammars_advanced = True
 
+    def _advance_grammar(self, seq: Sequence, token_id: int) -> None:
+        self._grammar_took(seq, seq.matcher.consume_token(token_id))
+
     @staticmethod
-    def _advance_grammar(seq: Sequence, token_id: int) -> None:
-        """The sample's grammar takes its new token; it ends when the grammar is complete and
+    def _grammar_took(seq: Sequence, ok: bool) -> None:
+        """The sample's grammar has taken its new token; it ends when the grammar is complete and
         can take nothing more (or, should a token break it, at once)."""
-        if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
+        if not ok or seq.matcher.is_stopped():
             seq.grammar_stop = ("stop", None)
 
     @staticmethod

@@ -216,9 +216,6 @@ class ModelRunner:
             self._sampling_key, self._sampling_meta = (None, None) if stateful else (key, m)
         if m.seeded_rows is not None:  # the one per-step input of a seeded row's key
             m.seed_offsets = self._to_device([seqs[r].num_tokens for r in m.seeded_rows_cpu], torch.int64)
-        if m.structured_rows is not None:  # computed on the host, copied without waiting
-            mask = self.fill_bitmask([seqs[r].matcher for r in m.structured_rows_cpu])
-            m.grammar_bitmask = mask.to(self.device, non_blocking=True)
         # the next step's sampling needs this one's tokens on the host: penalty counts (before the
         # next step is scheduled), grammars (before it samples)
         self.sampling_reads_history = m.output_counts is not None
@@ -367,10 +364,11 @@ class ModelRunner:
     # -- running -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
-            before_sampling=None) -> SamplerOutput | None:
+            before_sampling=None, while_masking=None) -> SamplerOutput | None:
         """Launch the step; returns device tensors without waiting for the device.
         `before_sampling` runs once the forward is launched (the engine advances grammars there,
-        while the device computes the forward)."""
+        while the device computes the forward); `while_masking` runs on this thread while a
+        worker thread fills the step's grammar masks (the engine reads the previous step back)."""
         plp_rows = self._prompt_logprob_rows(sched)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
         graphs = self.graph_runner
@@ -405,7 +403,17 @@ class ModelRunner:
         if before_sampling is not None:
             before_sampling()
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
-        out = self.sampler(logits, self.prepare_sampling(sampling_seqs))
+        m = self.prepare_sampling(sampling_seqs)
+        if m.structured_rows is not None:  # filled on the host, copied without waiting
+            matchers = [sampling_seqs[r].matcher for r in m.structured_rows_cpu]
+            if while_masking is not None:
+                pending = self.fill_bitmask.fill_async(matchers)
+                while_masking()
+                mask = pending.result()
+            else:
+                mask = self.fill_bitmask(matchers)
+            m.grammar_bitmask = mask.to(self.device, non_blocking=True)
+        out = self.sampler(logits, m)
         out.prompt_logprobs = prompt_lps
         return out
 

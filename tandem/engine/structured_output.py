@@ -3,16 +3,22 @@ each step and applied to the logits on the device.
 
 Each constrained sample holds an `LLMatcher` that consumes the sample's tokens as they are read
 back. Before a step samples, the matchers of its rows fill one pinned int32 bitmask (a bit per
-token), copied to the device without blocking; the sampler expands it there. The mask needs the
-previous token: with async scheduling the grammars take the in-flight step's tokens once the next
-step's forward is launched, so the host's mask work runs while the device computes the forward.
+token), copied to the device without blocking; the sampler applies it there in one pass
+(`tandem.kernels.grammar_mask`). The mask needs the previous token: with async scheduling the
+grammars take the in-flight step's tokens (one parallel call for the batch) once the next step's
+forward is launched, and the bitmask is filled on a worker thread while the engine reads the
+in-flight step back, so the grammars' host work runs beside both the device's forward and the
+host's own bookkeeping. A grammar is validated once per process (`_grammar_error`), not once a
+request.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -45,9 +51,18 @@ def check_grammar(so: StructuredOutputsParams) -> None:
     except ImportError:
         raise ValueError("structured_outputs need llguidance: pip install llguidance "
                          "(it comes with tandem[serve])") from None
-    error = LLMatcher.validate_grammar(grammar_source(so))
+    error = _grammar_error(grammar_source(so))
     if error and not error.startswith("WARNING"):
         raise ValueError(f"structured_outputs: invalid grammar: {error.strip()}")
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _grammar_error(source: str) -> str:
+    """llguidance's verdict on a grammar (about a millisecond a call), once per grammar: an RL
+    rollout sends the same one with every request."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(source)
 
 
 class StructuredOutputManager:
@@ -88,13 +103,23 @@ class StructuredOutputManager:
 
 
 class BitmaskFiller:
-    """Fills a step's bitmask: rows in parallel on llguidance's thread pool (made at the first
-    batch with several constrained rows; it belongs to the model runner, not the process)."""
+    """The grammars' batch work of a step, on llguidance's thread pool (made at the first batch
+    with several constrained rows; it belongs to the model runner, not the process): the rows'
+    matchers take their sampled tokens, then fill the next bitmask. Both calls run in Rust with
+    the GIL released, so `fill_async` lets the host's other work of the step go on meanwhile."""
 
     def __init__(self, vocab_size: int, pin: bool):
         self.words = (vocab_size + 31) // 32  # int32 words per row
         self.pin = pin
         self._executor = None
+        self._thread = None  # the one thread that waits on the executor for `fill_async`
+
+    def _pool(self):
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return self._executor
 
     def __call__(self, matchers: list) -> torch.Tensor:
         """[R, ceil(V / 32)] int32 on the host: bit t of row r set where token t may come next."""
@@ -102,10 +127,20 @@ class BitmaskFiller:
         if len(matchers) == 1:
             matchers[0].unsafe_compute_mask_ptr(mask.data_ptr(), self.words * 4)
             return mask
-        if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor()
-        self._executor.unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
-                                               mask.data_ptr(), self.words * 4, len(matchers))
+        self._pool().unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
+                                             mask.data_ptr(), self.words * 4, len(matchers))
         return mask
+
+    def fill_async(self, matchers: list) -> Future:
+        """The same bitmask, filled on a worker thread; `.result()` gives it."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        return self._thread.submit(self, matchers)
+
+    def consume(self, matchers: list, token_ids: list[int]) -> list[bool]:
+        """Each matcher takes its token (in parallel where llguidance can); False where the token
+        breaks its grammar."""
+        pool = self._pool() if len(matchers) > 1 else None
+        if pool is not None and hasattr(pool, "consume_token_par"):  # llguidance >= 1.7
+            return pool.consume_token_par(list(zip(matchers, token_ids)))
+        return [m.consume_token(t) for m, t in zip(matchers, token_ids)]

@@ -87,10 +87,12 @@ class Worker:
 
     # -- running ---------------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None,
-                      before_sampling: Callable[[], None] | None = None) -> SamplerOutput | None:
+                      before_sampling: Callable[[], None] | None = None,
+                      while_masking: Callable[[], None] | None = None) -> SamplerOutput | None:
         """Launch one step on the device; returns its sampled tokens as device tensors.
-        `before_sampling` runs on the host once the forward is launched, before sampling."""
-        return self.model_runner.run(sched, prev_token_ids, before_sampling)
+        `before_sampling` runs on the host once the forward is launched, before sampling;
+        `while_masking` while the step's grammar masks are filled (if it has any)."""
+        return self.model_runner.run(sched, prev_token_ids, before_sampling, while_masking)
 
     def check_awake(self) -> None:
         if self.sleep_level:

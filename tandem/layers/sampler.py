@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tandem import batch_invariant
+from tandem.kernels.grammar_mask_ref import apply_token_bitmask_ref
 
 
 @dataclass
@@ -101,7 +102,10 @@ def apply_logit_bias(logits: torch.Tensor, m: SamplingMetadata) -> None:
     min_tokens) EOS/stop tokens banned. Device work only: nothing waits for the device."""
     if m.logit_bias is not None:
         rows, cols, bias = m.logit_bias
-        logits.index_put_((rows, cols), bias.to(logits.dtype), accumulate=True)
+        if logits.is_contiguous():  # (row, token) pairs are unique: one add per element, no sort
+            logits.view(-1).index_add_(0, rows * logits.shape[1] + cols, bias.to(logits.dtype))
+        else:
+            logits.index_put_((rows, cols), bias.to(logits.dtype), accumulate=True)
     if m.grammar_bitmask is not None:
         apply_grammar_bitmask(logits, m.structured_rows, m.grammar_bitmask)
     if m.min_tokens_mask is not None:
@@ -109,11 +113,14 @@ def apply_logit_bias(logits: torch.Tensor, m: SamplingMetadata) -> None:
 
 
 def apply_grammar_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits[rows] of the tokens whose bit is 0 become -inf (bit t of a row: token t allowed)."""
-    V = logits.shape[1]
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :V]  # [R, V]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    """logits[rows] of the tokens whose bit is 0 become -inf (bit t of a row: token t allowed):
+    one Triton pass on a GPU, the torch reference elsewhere."""
+    if logits.is_cuda:
+        from tandem.kernels.grammar_mask import apply_token_bitmask_
+
+        apply_token_bitmask_(logits, rows, bitmask)
+    else:
+        apply_token_bitmask_ref(logits, rows, bitmask)
 
 
 def apply_top_k_top_p(
