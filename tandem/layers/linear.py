@@ -20,6 +20,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there
+_ADDMM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.addmm takes out_dtype (and out=) there
 
 
 def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,6 +42,21 @@ def linear_fp32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, NotImplementedError, TypeError):
             _MM_OUT_DTYPE[dev] = False  # e.g. the CPU backend: upcast instead (same products)
     return x.float() @ weight.float().t()
+
+
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """acc += a @ b in place, acc fp32 and a, b in their own dtype (bf16 products are exact in
+    fp32): one GEMM accumulating into acc (beta = 1) where the backend has it, no fp32 [M, N]
+    temporary and no separate add."""
+    if a.dtype == b.dtype == torch.float32 or batch_invariant.is_enabled():
+        return acc.add_(linear_fp32_out(a, b.t()))
+    dev = a.device.type
+    if _ADDMM_OUT_DTYPE.get(dev, True):
+        try:
+            return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _ADDMM_OUT_DTYPE[dev] = False
+    return acc.add_(linear_fp32_out(a, b.t()))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
