@@ -112,7 +112,7 @@ def _rms_norm_bwd_kernel(
     x_t = x_ptr.dtype.element_ty
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    start = pid * rows_per_program
+    start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2**31
     end = tl.minimum(start + rows_per_program, M)
     for row in range(start, end):
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)

@@ -112,6 +112,22 @@ class _RotaryQK(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
+    """HF's RMSNorm as one kernel each way (autograd); `out_dtype` rounds its output to another dtype."""
+    return _RMSNorm.apply(x, weight, eps, out_dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as one kernel each way (autograd)."""
+    return _SiluMul.apply(gate, up)
+
+
+def rotary_qk(q_BLNH, k_BLKH, cos_BLH, sin_BLH, out_dtype: torch.dtype | None = None):
+    """HF's `apply_rotary_pos_emb` on q/k as the projections give them ([B, L, heads, H]), as one
+    kernel each way (autograd); returns them rotated in HF's [B, heads, L, H] layout."""
+    return _RotaryQK.apply(q_BLNH, k_BLKH, cos_BLH, sin_BLH, out_dtype)
+
+
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     device = x.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
@@ -122,12 +138,12 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     # A layer norm whose consumers are all autocast linears emits their input dtype: the same
     # values autocast's cast of HF's fp32 output would be (see the module docstring).
     out_dtype = _autocast_dtype(hidden_states) if self._tandem_feeds_linears else None
-    return _RMSNorm.apply(hidden_states, self.weight, self.variance_epsilon, out_dtype)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon, out_dtype)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
-    act = _SiluMul.apply(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up
+    act = silu_mul(gate, up) if gate.dtype == up.dtype else F.silu(gate) * up
     return self.down_proj(act)
 
 
@@ -154,7 +170,7 @@ def _attention_forward(self, hidden_states, position_embeddings=None, attention_
         raise ValueError(f"fused rotary: q is {q_BLNH.dtype} and k {k_BLKH.dtype}")
     # On CUDA under autocast every attention casts q/k to autocast's dtype: emit it directly.
     out_dtype = _autocast_dtype(q_BLNH) if q_BLNH.is_cuda else None
-    q_BNLH, k_BKLH = _RotaryQK.apply(q_BLNH.contiguous(), k_BLKH.contiguous(), cos, sin, out_dtype)
+    q_BNLH, k_BKLH = rotary_qk(q_BLNH.contiguous(), k_BLKH.contiguous(), cos, sin, out_dtype)
     attention = _attention_function(self)
     extra = {} if self._tandem_sliding is False else {
         "sliding_window": getattr(self, "sliding_window", getattr(self.config, "sliding_window", None))}

@@ -157,3 +157,21 @@ def test_rms_norm_backward_hand_values():
     dx, dw = rms_norm_backward(torch.ones(1, 2), x, w, 0.0)
     torch.testing.assert_close(dx, expected)
     torch.testing.assert_close(dw, n[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float32, None), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, None)])
+def test_rms_norm_backward_gpu_shapes(x_dtype, out_dtype):
+    """The grpo-1.5b shapes compiled: 12288 rows of 1536 (many rows per program)."""
+    from tandem.kernels.rmsnorm import rms_norm_backward
+
+    x, _, weight = inputs((12288, 1536), x_dtype, "cuda", weight_dtype=torch.float32)
+    dy = torch.randn(12288, 1536, device="cuda").to(out_dtype or torch.float32)
+    ref_out, ref_dx, ref_dw = _hf_norm_grads(x, weight, dy, 1e-6)
+    out = rms_norm(x, weight, 1e-6, out_dtype)
+    tol = 1e-5 if x_dtype == torch.float32 else 1e-2
+    _close(out, ref_out.to(out.dtype), 1e-2 if out_dtype else tol)
+    dx, dw = rms_norm_backward(dy, x, weight, 1e-6)
+    _close(dx, ref_dx, tol)
+    _close(dw, ref_dw, 1e-4 if x_dtype == torch.float32 else 1e-2)  # a sum over 12288 rows

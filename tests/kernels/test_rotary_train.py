@@ -79,3 +79,26 @@ def test_broadcast_cos_and_strided_gradient(device):
     got_dq, got_dk = rotary_qk_backward(dq, dk, cos, sin, torch.float32)
     for got, want in ((q_out, ref_q), (k_out, ref_k), (got_dq, ref_dq), (got_dk, ref_dk)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_rotary_gpu_shapes(out_dtype):
+    """grpo-1.5b: 32 rows x 384 tokens, 12 query / 2 key heads of 128, bf16 q/k, fp32 cos/sin."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    b, l, n, k_heads, h = 32, 384, 12, 2, 128
+    rope = Qwen2RotaryEmbedding(Qwen2Config(hidden_size=n * h, num_attention_heads=n, head_dim=h,
+                                            rope_theta=1e6)).cuda()
+    cos, sin = rope(torch.zeros(1, device="cuda"), torch.arange(l, device="cuda").expand(b, l))
+    q = torch.randn(b, l, n, h, device="cuda").to(torch.bfloat16)
+    k = torch.randn(b, l, k_heads, h, device="cuda").to(torch.bfloat16)
+    dq = torch.randn(b, n, l, h, device="cuda").to(out_dtype or torch.float32)
+    dk = torch.randn(b, k_heads, l, h, device="cuda").to(out_dtype or torch.float32)
+    ref_q, ref_k, ref_dq, ref_dk = _hf(q, k, cos, sin, dq, dk)
+    q_out, k_out = rotary_qk(q, k, cos, sin, out_dtype)
+    got_dq, got_dk = rotary_qk_backward(dq, dk, cos, sin, torch.bfloat16)
+    # fp32 math rounded once, as HF's: equal but for rare ties
+    for got, want in ((q_out, ref_q), (k_out, ref_k), (got_dq, ref_dq), (got_dk, ref_dk)):
+        torch.testing.assert_close(got.float(), want.to(got.dtype).float(), atol=1e-2, rtol=1e-2)

@@ -22,7 +22,7 @@ from tandem.rl.loss import grpo_loss
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
-SMALL = dict(vocab_size=64, hidden_size=48, intermediate_size=80)  # 48 / 80: not powers of two
+SMALL = {"vocab_size": 64, "hidden_size": 48, "intermediate_size": 80}  # 48 / 80: not powers of two
 
 
 def _model(arch: str):
@@ -165,3 +165,96 @@ def test_trainer_patches_the_policy_and_its_reference(tmp_path, capsys):
     assert is_patched(trainer.model) and is_patched(trainer.ref_model)
     metrics = trainer.step()
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+def test_fsdp2_shards_a_patched_model(tmp_path):
+    """FSDP2's per-layer units around the patched forwards (one gloo rank): the gathered gradients
+    are the unsharded unpatched model's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tandem.rl.fsdp import apply_fsdp
+
+    ref = _model("llama")
+    fused = copy.deepcopy(ref)
+    patch_model(fused)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        apply_fsdp(fused, torch.device("cpu"), bf16=False)
+        logp_r, loss_r, grads_r = _loss_and_grads(ref, padding_free=False)
+        logp_f, loss_f, grads_f = _loss_and_grads(fused, padding_free=False)
+    finally:
+        dist.destroy_process_group()
+    _assert_same(logp_f, logp_r)
+    _assert_same(loss_f, loss_r)
+    assert isinstance(fused.model.layers[0].mlp.up_proj.weight, DTensor)
+    for name, g in grads_r.items():
+        got = grads_f[name]
+        _assert_same(got.full_tensor() if isinstance(got, DTensor) else got, g)
+
+
+def test_under_autocast_the_norms_hand_the_linears_bf16():
+    """CPU autocast: the layer norms emit bf16 (the linears' input dtype) and take bf16 gradients
+    back. Measured against the fp32 model, the patched model's bf16 logprobs and gradients are
+    as close as HF's bf16 ones (the interpreter truncates to bf16: neither is exact)."""
+    ref = _model("qwen2")
+    fused, fp32 = copy.deepcopy(ref), copy.deepcopy(ref)
+    patch_model(fused)
+    seen = []
+    fused.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp_r, _, grads_r = _loss_and_grads(ref, padding_free=False)
+        logp_f, _, grads_f = _loss_and_grads(fused, padding_free=False)
+    logp_32, _, grads_32 = _loss_and_grads(fp32, padding_free=False)
+    assert seen == [torch.bfloat16]
+    assert (logp_f - logp_32).abs().max() <= 1.5 * (logp_r - logp_32).abs().max() + 1e-3
+
+    def flat(grads):
+        return torch.cat([grads[n].flatten() for n in sorted(grads_32)])
+
+    assert (flat(grads_f) - flat(grads_32)).norm() <= 1.5 * (flat(grads_r) - flat(grads_32)).norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["padded", "padded+recompute", "padding_free"])
+def test_qwen2_1p5b_shaped_layers_in_bf16_on_the_gpu(mode):
+    """Two Qwen2.5-1.5B-shaped layers (random weights, fp32 master, bf16 autocast as the trainer
+    runs them, SDPA / varlen flash): against the fp32 model, the patched model's logprobs and
+    gradients are as close as HF's own bf16 ones."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                                   num_key_value_heads=2, head_dim=128, num_hidden_layers=2, vocab_size=4096,
+                                   rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=1024,
+                                   attn_implementation="sdpa")
+    ref = transformers.Qwen2ForCausalLM(cfg).cuda().train()
+    fused, fp32 = copy.deepcopy(ref), copy.deepcopy(ref)
+    patch_model(fused)
+    for m in (ref, fused, fp32):
+        set_recompute(m, "recompute" in mode)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 4096, (8, 320), generator=gen).cuda()
+    lengths = torch.randint(200, 321, (8,), generator=gen).cuda()
+    mask = (torch.arange(320, device="cuda")[None] < lengths[:, None]).long()
+    prompt_lengths = torch.full((8,), 64, device="cuda")
+    completion_mask = (torch.arange(256, device="cuda")[None] + 64 < lengths[:, None]).float()
+    advantages = torch.linspace(-1, 1, 8, device="cuda")
+
+    def run(model, bf16):
+        amp = torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False, enabled=bf16)
+        with amp:
+            logp = completion_logps(model, ids, mask, prompt_lengths, 256, head_dtype=torch.bfloat16 if bf16 else None,
+                                    padding_free=mode == "padding_free")
+        loss, _ = grpo_loss(logp, None, advantages, completion_mask)
+        loss.backward()
+        return logp.detach() * completion_mask, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    logp_r, grad_r = run(ref, True)
+    logp_f, grad_f = run(fused, True)
+    logp_32, grad_32 = run(fp32, False)
+    hf_err, fused_err = (logp_r - logp_32).abs().max(), (logp_f - logp_32).abs().max()
+    assert fused_err <= 1.25 * hf_err + 1e-3, (fused_err, hf_err)
+    hf_gerr, fused_gerr = (grad_r - grad_32).norm(), (grad_f - grad_32).norm()
+    assert fused_gerr <= 1.25 * hf_gerr, (fused_gerr / grad_32.norm(), hf_gerr / grad_32.norm())
+    assert (logp_f - logp_r).abs().max() < 0.05
