@@ -3,12 +3,14 @@ and ends with its JSON line; the timings themselves are the GPU's business."""
 
 import importlib.util
 import json
+import os
 
 import pytest
 
 from tandem.bench import train_kernels
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter")
 
 
 def test_smoke_on_cpu(capsys):

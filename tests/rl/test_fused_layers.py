@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from tandem.rl.logprobs import completion_logps
 from tandem.rl.loss import grpo_loss
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+# The CPU tests run the kernels on CPU tensors: only the interpreter can (a GPU box runs the gpu test).
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 SMALL = {"vocab_size": 64, "hidden_size": 48, "intermediate_size": 80}  # 48 / 80: not powers of two
 
@@ -72,6 +75,7 @@ def _compare(ref, fused, padding_free: bool):
 
 # padding-free with recompute is left out: it fails unpatched too (the recompute runs after
 # logprobs' switch of the attention implementation has been undone)
+@interpreted
 @pytest.mark.parametrize("mode", ["padded", "padded+recompute", "padding_free"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_patched_model_matches_hf(arch, mode):
@@ -83,6 +87,7 @@ def test_patched_model_matches_hf(arch, mode):
     _compare(ref, fused, padding_free=mode == "padding_free")
 
 
+@interpreted
 def test_lora_on_a_patched_model_matches_hf():
     from peft import LoraConfig
 
@@ -120,6 +125,7 @@ def test_an_unrecognised_model_is_left_as_it_is():
     assert not is_patched(model)
 
 
+@interpreted
 def test_generation_with_a_kv_cache_takes_hf_forward():
     ref = _model("llama").eval()
     fused = copy.deepcopy(ref)
@@ -131,6 +137,7 @@ def test_generation_with_a_kv_cache_takes_hf_forward():
     assert torch.equal(a, b)
 
 
+@interpreted
 def test_the_switch(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve(None, cuda) == (True, "")
@@ -148,6 +155,7 @@ def test_the_switch(monkeypatch):
         GRPOConfig(fused_kernels="yes")
 
 
+@interpreted
 def test_trainer_patches_the_policy_and_its_reference(tmp_path, capsys):
     from datasets import Dataset
     from model_fixtures import make_tokenizer
@@ -167,6 +175,7 @@ def test_trainer_patches_the_policy_and_its_reference(tmp_path, capsys):
     assert torch.isfinite(torch.tensor(metrics["loss"]))
 
 
+@interpreted
 def test_fsdp2_shards_a_patched_model(tmp_path):
     """FSDP2's per-layer units around the patched forwards (one gloo rank): the gathered gradients
     are the unsharded unpatched model's."""
@@ -193,6 +202,7 @@ def test_fsdp2_shards_a_patched_model(tmp_path):
         _assert_same(got.full_tensor() if isinstance(got, DTensor) else got, g)
 
 
+@interpreted
 def test_under_autocast_the_norms_hand_the_linears_bf16():
     """CPU autocast: the layer norms emit bf16 (the linears' input dtype) and take bf16 gradients
     back. Measured against the fp32 model, the patched model's bf16 logprobs and gradients are
