@@ -114,6 +114,7 @@ def _train_phase(trainer, steps: list[dict], train_s: float) -> dict:
     return {
         "peak_flops": peak, "train_tokens": tokens, "train_mfu": 6 * n_params * tokens / train_s / peak if peak else None,
         "padding_free": a.padding_free, "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+        "fused_kernels": trainer.fused_kernels,
         "micro_batches_per_step": statistics.median(s["train/micro_batches"] for s in steps),
         "micro_batch_fill": statistics.median(fill) if fill else None,
         "train_memory": {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")},
@@ -355,6 +356,9 @@ def add_parser(subparsers) -> None:
                    "for both trainers, instead of --completion-len for all (default: off)")
     p.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=d.padding_free,
                    help="tandem: pack each micro-batch's rows into one sequence (GRPOConfig.padding_free)")
+    p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels,
+                   help="tandem: its fused Triton RMSNorm/SwiGLU/rotary training kernels "
+                   "(GRPOConfig.fused_kernels; default: on with CUDA)")
     p.add_argument("--max-tokens-per-micro-batch", type=int, default=d.max_tokens_per_micro_batch, metavar="N",
                    help="tandem: micro-batches of at most N real tokens instead of --micro-batch rows "
                    "(GRPOConfig.max_tokens_per_micro_batch; needs --padding-free)")

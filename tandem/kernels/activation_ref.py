@@ -1,4 +1,4 @@
-"""Torch reference of `activation.silu_and_mul`: the spec the Triton kernel is tested against."""
+"""Torch references of `activation`'s kernels: the spec the Triton kernels are tested against."""
 
 from __future__ import annotations
 
@@ -8,4 +8,9 @@ import torch.nn.functional as F
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """HF's MLP activation: `act_fn(gate_proj(x)) * up_proj(x)` with act_fn SiLU."""
     return F.silu(gate) * up

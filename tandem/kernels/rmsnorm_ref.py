@@ -17,3 +17,14 @@ def fused_add_rms_norm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     x = x + residual  # in the activation dtype, as HF's decoder layer adds
     return rms_norm_ref(x, weight, eps), x
+
+
+def rms_norm_backward_ref(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of `rms_norm_ref` by autograd, dy cast to its output dtype as autocast's cast
+    would hand it back."""
+    x = x.detach().requires_grad_(True)
+    weight = weight.detach().requires_grad_(True)
+    out = rms_norm_ref(x, weight, eps)
+    return torch.autograd.grad(out, (x, weight), dy.to(out.dtype))

@@ -23,3 +23,12 @@ def apply_rotary_ref(
     q = q_TNH * cos + rotate_half(q_TNH) * sin
     k = k_TKH * cos + rotate_half(k_TKH) * sin
     return q, k
+
+
+def apply_rotary_pos_emb_ref(
+    q_BNLH: torch.Tensor, k_BKLH: torch.Tensor, cos_BLH: torch.Tensor, sin_BLH: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's `apply_rotary_pos_emb` (unsqueeze_dim=1): per-token cos/sin, products in the promoted
+    dtype; the spec of `rotary_train.rotary_qk`."""
+    cos, sin = cos_BLH[:, None], sin_BLH[:, None]
+    return q_BNLH * cos + rotate_half(q_BNLH) * sin, k_BKLH * cos + rotate_half(k_BKLH) * sin

@@ -103,7 +103,9 @@ FIELD_HELP = {
     "identical logprobs in bf16 (slower)",
     "max_tokens_per_micro_batch": "with --padding-free: micro-batches of at most this many real "
     "tokens, balanced, instead of --per-device-train-batch-size rows (same loss and gradients)",
-    "use_liger_kernel": "accepted for TRL scripts; tandem's logprobs use its own chunked kernel",
+    "use_liger_kernel": "TRL's name: means --fused-kernels (tandem's logprobs use its own chunked kernel)",
+    "fused_kernels": "tandem's fused Triton RMSNorm/SwiGLU/rotary kernels (forward and backward) in "
+    "the trained model (default: on with CUDA and Triton)",
     "use_vllm": "accepted for TRL scripts: tandem's engine always generates (False warns)",
     "vllm_server_host": "--vllm-mode server: the server's host (when no --vllm-server-base-url)",
     "vllm_server_port": "--vllm-mode server: the server's port",

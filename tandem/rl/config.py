@@ -102,9 +102,15 @@ class GRPOConfig:
     gradient_checkpointing: bool | None = None
     bf16: bool | None = None  # None: bf16 where the device supports it, else fp32
     disable_dropout: bool = False
-    # Accepted for TRL scripts: tandem's logprobs are its own chunked kernel (no [N, V] fp32 copy),
-    # which is what Liger's fused loss saves; Liger itself is not used.
+    # TRL's switch for Liger: True means fused_kernels=True (unless that is set). tandem's logprobs
+    # are its own chunked kernel (no [N, V] fp32 copy), which is what Liger's fused loss saves;
+    # Liger itself is not used.
     use_liger_kernel: bool = False
+    # tandem's fused Triton training kernels (RMSNorm, SwiGLU, rotary: one pass forward, one
+    # backward) in this model's decoder layers instead of HF's elementwise ops and autocast's casts
+    # (`tandem.rl.fused_layers`; the patch is per model instance). None: on when training on CUDA
+    # with Triton installed; True on a CPU needs TRITON_INTERPRET=1 (slow; tests).
+    fused_kernels: bool | None = None
     # Each micro-batch's rows packed into one sequence (TRL's SFTConfig name): no FLOP on padding,
     # whatever the spread of completion lengths; same numbers as padded rows (`tandem.rl.packing`).
     padding_free: bool = False
@@ -194,6 +200,9 @@ class GRPOConfig:
             self.min_p = 0.0
         if self.top_k is None:
             self.top_k = 0
+        if self.fused_kernels is not None and not isinstance(self.fused_kernels, bool):
+            raise ValueError(f"fused_kernels must be True, False or None (on where CUDA and Triton "
+                             f"are), got {self.fused_kernels!r}")
         if not self.use_vllm:
             warnings.warn(
                 "GRPOConfig: use_vllm=False is ignored: tandem always generates with its own engine "

@@ -22,7 +22,7 @@ from tandem.engine.gc_pause import frozen_heap
 from tandem.models import hub
 from tandem.rl import callbacks as callbacks_mod
 from tandem.rl import checkpoint as ckpt
-from tandem.rl import lora, memory_setup
+from tandem.rl import fused_layers, lora, memory_setup
 from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
@@ -80,6 +80,8 @@ class GRPOTrainer:
         self.control = callbacks_mod.make_control()
         self.use_bf16 = args.bf16 if args.bf16 is not None else (
             self.device.type == "cuda" and torch.cuda.is_bf16_supported())
+        # Fused training kernels or HF's ops, chosen once (a request this device cannot run fails here).
+        self.fused_kernels, fused_note = fused_layers.resolve(args.fused_kernels, self.device, args.use_liger_kernel)
         # Data parallel under torchrun: each rank trains a replica on its slice of every batch.
         self.dist = DistributedContext.from_environment()
         engine_kwargs = engine_kwargs or {}
@@ -90,6 +92,10 @@ class GRPOTrainer:
         self.model, self.tokenizer = self._load_model(model, processing_class)
         if args.disable_dropout:
             _disable_dropout(self.model)
+        if self.fused_kernels:  # before the reference copy, LoRA and sharding: each keeps the patch
+            fused_note = fused_layers.patch_model(self.model)
+        if self.dist.is_main:
+            print(fused_note, flush=True)
         self.dist.broadcast_params(self.model)
         self.train_dataset = load_prompt_dataset(train_dataset)
         self.eval_dataset = load_prompt_dataset(eval_dataset) if eval_dataset is not None else None

@@ -44,3 +44,48 @@ def test_reference_is_silu_of_gate_times_up():
     y = torch.randn(5, 2 * 24)
     gate, up = y[:, :24], y[:, 24:]
     torch.testing.assert_close(silu_and_mul_ref(y), ACT2FN["silu"](gate) * up)
+
+
+# -- the trainer's SwiGLU: separate gate/up, forward and backward, against HF's autograd -------------
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(7, 80), (2, 3, 1500)])  # 1500 > one block of 1024
+def test_silu_mul_forward_and_backward_match_hf(dtype, tol, shape, device):
+    from transformers.activations import ACT2FN
+
+    from tandem.kernels.activation import silu_mul, silu_mul_backward
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up, dy = ((3 * torch.randn(shape, generator=gen)).to(device, dtype) for _ in range(3))
+    g, u = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    ref = ACT2FN["silu"](g) * u
+    ref.backward(dy)
+    out = silu_mul(gate, up)
+    dg, du = silu_mul_backward(dy, gate, up)
+    assert out.dtype == dg.dtype == du.dtype == dtype
+    for got, want in ((out, ref.detach()), (dg, g.grad), (du, u.grad)):
+        scale = max(1.0, want.float().abs().max().item())
+        assert (got.float() - want.float()).abs().max().item() <= tol * scale
+
+
+def test_silu_mul_backward_hand_values():
+    """gate 0: silu'(0) = 1/2, silu(0) = 0; gate 2: silu = 2 s, silu' = s (1 + 2 (1 - s)), s = sigmoid(2)."""
+    from tandem.kernels.activation import silu_mul_backward
+
+    s = 1 / (1 + math.exp(-2.0))
+    dg, du = silu_mul_backward(torch.ones(1, 2), torch.tensor([[0.0, 2.0]]), torch.tensor([[3.0, 1.0]]))
+    torch.testing.assert_close(dg, torch.tensor([[1.5, s * (1 + 2 * (1 - s))]]))
+    torch.testing.assert_close(du, torch.tensor([[0.0, 2 * s]]))
+
+
+@pytest.mark.gpu
+def test_silu_mul_backward_gpu_shapes():
+    """bf16 [12288, 8960] (grpo-1.5b's MLP), rounded as torch rounds on the GPU: within one ulp."""
+    from tandem.kernels.activation import silu_mul, silu_mul_backward
+
+    gate, up, dy = (torch.randn(12288, 8960, device="cuda").to(torch.bfloat16) for _ in range(3))
+    g, u = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    ref = torch.nn.functional.silu(g) * u
+    ref.backward(dy)
+    dg, du = silu_mul_backward(dy, gate, up)
+    for got, want in ((silu_mul(gate, up), ref.detach()), (dg, g.grad), (du, u.grad)):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)

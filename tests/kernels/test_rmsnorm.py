@@ -89,3 +89,89 @@ def test_reference_against_hand_values_and_hf():
     hf.weight.data.copy_(weight)
     with torch.no_grad():
         assert torch.equal(rms_norm_ref(x, weight, 1e-6), hf(x))
+
+
+# -- the trainer's backward (`rms_norm_backward`), against HF's module run by autograd -------------
+def _hf_norm_grads(x, weight, dy, eps):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(x.shape[-1], eps=eps).to(weight.dtype)
+    hf.weight.data.copy_(weight)
+    x = x.detach().requires_grad_(True)
+    out = hf(x)
+    out.backward(dy.to(out.dtype))
+    return out.detach(), x.grad, hf.weight.grad
+
+
+def _close(out, ref, tol):
+    """|out - ref| within tol of ref's scale (bf16 in the interpreter rounds by truncation)."""
+    scale = max(1.0, ref.float().abs().max().item())
+    assert (out.float() - ref.float()).abs().max().item() <= tol * scale, (out, ref)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                 (torch.bfloat16, torch.float32, 2e-2),
+                                                 (torch.bfloat16, torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(37, 100), (2, 3, 96)])  # hidden not a power of 2; odd rows
+def test_rms_norm_backward_matches_hf(x_dtype, w_dtype, tol, shape, device):
+    from tandem.kernels.rmsnorm import rms_norm_backward
+
+    x, _, weight = inputs(shape, x_dtype, device, weight_dtype=w_dtype)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    ref_out, ref_dx, ref_dw = _hf_norm_grads(x, weight, dy, 1e-6)
+    out = rms_norm(x, weight, 1e-6)
+    assert out.dtype == ref_out.dtype
+    _close(out, ref_out, tol)
+    dx, dw = rms_norm_backward(dy.to(out.dtype), x, weight, 1e-6)
+    assert dx.dtype == x_dtype and dw.dtype == w_dtype and dx.shape == x.shape
+    _close(dx, ref_dx, tol)
+    _close(dw, ref_dw, tol)
+
+
+def test_rms_norm_emits_autocast_dtype_and_takes_its_gradient(device):
+    """fp32 x and weight, output in bf16 (what autocast's cast of HF's output holds), gradient
+    handed back in bf16: dx and dweight are HF's for that bf16 gradient."""
+    from tandem.kernels.rmsnorm import rms_norm_backward
+
+    x, _, weight = inputs((9, 80), torch.float32, device)
+    dy = torch.randn(9, 80, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+    ref_out, ref_dx, ref_dw = _hf_norm_grads(x, weight, dy, 1e-6)
+    out = rms_norm(x, weight, 1e-6, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    _close(out, ref_out.to(torch.bfloat16), 1e-2)
+    dx, dw = rms_norm_backward(dy, x, weight, 1e-6)
+    _close(dx, ref_dx, 1e-5)
+    _close(dw, ref_dw, 1e-5)
+    dx2, none = rms_norm_backward(dy, x, weight, 1e-6, weight_grad=False)  # a frozen weight (LoRA)
+    assert none is None and torch.equal(dx2, dx)
+
+
+def test_rms_norm_backward_hand_values():
+    """x = [3, 4], weight 1, eps 0: n = x / r with r = sqrt(12.5); d(sum n)/dx = (1 - n * mean(n)) / r."""
+    from tandem.kernels.rmsnorm import rms_norm_backward
+
+    x, w = torch.tensor([[3.0, 4.0]]), torch.ones(2)
+    r = 12.5**0.5
+    n = x / r
+    expected = (1 - n * n.mean()) / r
+    dx, dw = rms_norm_backward(torch.ones(1, 2), x, w, 0.0)
+    torch.testing.assert_close(dx, expected)
+    torch.testing.assert_close(dw, n[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_dtype,out_dtype", [(torch.float32, None), (torch.float32, torch.bfloat16),
+                                               (torch.bfloat16, None)])
+def test_rms_norm_backward_gpu_shapes(x_dtype, out_dtype):
+    """The grpo-1.5b shapes compiled: 12288 rows of 1536 (many rows per program)."""
+    from tandem.kernels.rmsnorm import rms_norm_backward
+
+    x, _, weight = inputs((12288, 1536), x_dtype, "cuda", weight_dtype=torch.float32)
+    dy = torch.randn(12288, 1536, device="cuda").to(out_dtype or torch.float32)
+    ref_out, ref_dx, ref_dw = _hf_norm_grads(x, weight, dy, 1e-6)
+    out = rms_norm(x, weight, 1e-6, out_dtype)
+    tol = 1e-5 if x_dtype == torch.float32 else 1e-2
+    _close(out, ref_out.to(out.dtype), 1e-2 if out_dtype else tol)
+    dx, dw = rms_norm_backward(dy, x, weight, 1e-6)
+    _close(dx, ref_dx, tol)
+    _close(dw, ref_dw, 1e-4 if x_dtype == torch.float32 else 1e-2)  # a sum over 12288 rows

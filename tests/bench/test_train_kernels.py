@@ -1,0 +1,26 @@
+"""`python -m tandem.bench.train_kernels` runs end to end (CPU: Triton interpreter, tiny shapes)
+and ends with its JSON line; the timings themselves are the GPU's business."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from tandem.bench import train_kernels
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None
+                                or os.environ.get("TRITON_INTERPRET") != "1", reason="needs triton's interpreter")
+
+
+def test_smoke_on_cpu(capsys):
+    assert train_kernels.main(["--device", "cpu", "--rows", "2", "--seq", "5", "--hidden", "48",
+                               "--intermediate", "80", "--heads", "4", "--kv-heads", "2", "--head-dim", "12",
+                               "--reps", "1", "--warmup", "0"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["bench"] == "train_kernels"
+    results = report["results"]
+    assert set(results) == {"rmsnorm", "swiglu", "rotary", "layer"}, results
+    for r in results.values():
+        assert r["hf_ms"] > 0 and r["fused_ms"] > 0
+    assert results["layer"]["max_rel_grad_diff"] < 0.1  # bf16 autocast in the interpreter: loose
