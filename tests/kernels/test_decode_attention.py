@@ -180,14 +180,15 @@ def fused_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, devic
              for b, n in enumerate(seq_lens)]
     rope = RotaryEmbedding(Qwen2Config(hidden_size=N * head_dim, num_attention_heads=N,
                                        rope_theta=1e6), head_dim, 4096).to(device)
-    return dict(
-        positions=torch.tensor([max(n - 1, 0) for n in seq_lens], device=device),
-        q_BNH=q, k_BKH=k, v_BKH=v, cos_cache=rope.cos_cache, sin_cache=rope.sin_cache,
-        k_cache=k_cache, v_cache=v_cache,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables, scale=head_dim**-0.5,
-    )
+    return {
+        "positions": torch.tensor([max(n - 1, 0) for n in seq_lens], device=device),
+        "q_BNH": q, "k_BKH": k, "v_BKH": v,
+        "cos_cache": rope.cos_cache, "sin_cache": rope.sin_cache,
+        "k_cache": k_cache, "v_cache": v_cache,
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "block_tables": block_tables, "scale": head_dim**-0.5,
+    }
 
 
 def two_kernel_path(c, num_splits):
