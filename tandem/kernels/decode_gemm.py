@@ -46,16 +46,17 @@ def _epilogue(acc, bias_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS: tl.c
              acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["M"])
+# One compiled variant for every M and split count (both runtime arguments).
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
-    M, N, K, k_per_split,
+    M, N, K, k_per_split, num_splits,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    PARTIAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -88,14 +89,14 @@ def _gemm_kernel(
         w_ptrs += BLOCK_K
 
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if SPLIT_K > 1:
+    if PARTIAL:
         ws_offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
         tl.store(ws_ptr + split * M * N + ws_offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the last split of this tile sums all, in split order
+        if arrived == num_splits - 1:  # the last split of this tile sums all, in split order
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):
+            for s in range(num_splits):
                 acc += tl.load(ws_ptr + s * M * N + ws_offs, mask=mask, other=0.0,
                                cache_modifier=".cg")  # from L2, where the other SMs wrote it
             _epilogue(acc, bias_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS)
@@ -162,13 +163,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ws = counters = out  # unused
     _gemm_kernel[(tiles, split_k)](
         x2, weight, bias if bias is not None else weight, out, ws, counters,
-        M, N, K, k_per_split,
+        M, N, K, k_per_split, split_k,
         x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
-        SPLIT_K=split_k,
+        PARTIAL=split_k > 1,
         EVEN_K=K % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
