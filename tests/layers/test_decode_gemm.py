@@ -12,6 +12,7 @@ from tandem.kernels.decode_gemm import GemmConfig
 from tandem.layers.decode_gemm import GemmChoice, apply_decode_gemm, parse_table, pick
 from tandem.layers.linear import Linear, LMHead
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton interpreted
 SMALL = {"block_m": 16, "block_n": 32, "block_k": 32, "split_k": 2, "num_warps": 4,
          "num_stages": 2}
 
@@ -38,17 +39,17 @@ def test_layers_get_their_shapes_choices_and_run_triton_only_there(monkeypatch):
     linear = kernel.linear
     monkeypatch.setattr(kernel, "linear", lambda *a, **k: calls.append(a[1].shape) or linear(*a, **k))
     layer, other, head = Linear(32, 48), Linear(32, 40), LMHead(32, 48, bias=False)
-    model = torch.nn.ModuleList([layer, other, head])
+    model = torch.nn.ModuleList([layer, other, head]).to(DEVICE)
     assert apply_decode_gemm(model, parse_table(table([(48, 32)]))) == 1
     assert layer.decode_gemm is not None and other.decode_gemm is None and head.decode_gemm is None
     with torch.no_grad():
-        x = torch.randn(3, 32)
+        x = torch.randn(3, 32, device=DEVICE)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                    atol=1e-5, rtol=1e-5)
         assert calls == [(48, 32)]
-        layer(torch.randn(9, 32))  # cuBLAS's bucket
+        layer(torch.randn(9, 32, device=DEVICE))  # cuBLAS's bucket
         assert calls == [(48, 32)]
-    x = torch.randn(3, 32, requires_grad=True)  # autograd: never the kernel
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)  # autograd: never the kernel
     layer(x).sum().backward()
     assert calls == [(48, 32)]
 
@@ -73,8 +74,8 @@ def test_engine_greedy_tokens_unchanged_with_the_triton_gemm(tmp_path, monkeypat
     prompts = [[5, 9, 11], [7, 3, 4, 4, 8, 1, 2], [20, 21]]
 
     def tokens(gemm):
-        llm = LLM(model, attention_backend="triton", device="cpu", block_size=8, max_num_seqs=4,
-                  decode_gemm=gemm)
+        llm = LLM(model, attention_backend="triton", device=DEVICE, block_size=8, max_num_seqs=4,
+                  decode_gemm=gemm, dtype="float32")
         assert llm.llm_engine.worker.decode_gemm_layers == (0 if gemm == "cublas" else 8)
         return [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
