@@ -69,6 +69,10 @@ class EngineConfig:
     # its sequence alone, so a trainer scoring the rollout with the same kernels gets the engine's
     # logprobs exactly. Slower; for RL parity, not serving. Process-wide once an engine turns it on.
     batch_invariant: bool = False
+    # GEMMs of few rows (decode): "cublas" (F.linear), or the Triton decode GEMM where a measured
+    # table says it wins: "triton" (the table for this GPU in tandem/kernels/configs) or the path
+    # of a table `python -m tandem.bench.gemm --table-out` wrote. Other shapes and M stay cuBLAS.
+    decode_gemm: str = "cublas"
 
     def __post_init__(self) -> None:
         """Every field's type and range, before anything is built (invariant 4)."""
@@ -84,6 +88,11 @@ class EngineConfig:
         check_choice("logprobs_mode", self.logprobs_mode, _LOGPROBS_MODES)
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         check_choice("sleep_mode_backend", self.sleep_mode_backend, ("auto", "cumem", "recapture"))
+        if not (isinstance(self.decode_gemm, str) and (self.decode_gemm in ("cublas", "triton") or (
+                self.decode_gemm.endswith(".json") and os.path.isfile(self.decode_gemm)))):
+            raise ValueError(
+                f"decode_gemm must be 'cublas', 'triton' or an existing .json table (from "
+                f"`python -m tandem.bench.gemm --table-out`), got {self.decode_gemm!r}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(
                 f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"

@@ -73,6 +73,7 @@ ENGINE = {
     "logprobs_mode": _choice("raw_logprobs", "processed_logprobs"),
     "trust_remote_code": _bool(),
     "attention_backend": _choice("auto", "torch", "triton"),
+    "decode_gemm": _choice("cublas", "triton"),  # or an existing .json path: never drawn
     "async_scheduling": _bool(optional=True),
     "stream_interval": _int(1, _COUNT),
     "max_admission_delay_steps": _int(0, _COUNT),
@@ -115,7 +116,7 @@ VALUES = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0.0, 0.5, 1.0, 1.5, -0.0, 1e-9, float("nan"), float("inf")]),
     st.sampled_from(["", "no", "yes", "true", "0", "1", "abc", "auto", "cpu", "cuda:0", "tpu",
-                     "float16", "triton", "torch", "cumem", "dummy", "raw_logprobs"]),
+                     "float16", "triton", "torch", "cublas", "cumem", "dummy", "raw_logprobs"]),
     st.text(max_size=8),
     st.lists(st.integers(-3, 3), max_size=3),
     st.just({}),

@@ -5,7 +5,9 @@
 
 Decode is memory-bound: the table reports GB/s of KV cache read and its share of `--hbm-gbs`.
 Decode calls are timed as the engine runs them, inside a CUDA graph (no launch overhead), and
-rotate over enough copies of the cache that L2 holds none of what a call reads. `--baseline`
+rotate over enough copies of the cache that L2 holds none of what a call reads. `--rotary`
+times the attention layer's decode step both ways: rotary + cache write, then attention (two
+kernels), and the fused `rotary_store_decode_attention` (one). `--baseline`
 loads another decode_attention module from a file (e.g. an older version, from `git show`) and
 times it beside the current one; `--sweep` also tries a grid of launch configurations. Prefill
 reports TFLOP/s of the causal attention matmuls. Ends with one line of JSON.
@@ -26,6 +28,7 @@ from triton.runtime.errors import OutOfResources
 
 from tandem.kernels import decode_attention as current
 from tandem.kernels.prefill_attention import prefill_attention
+from tandem.kernels.rotary import apply_rotary_and_store_kv
 
 LAUNCH_ERRORS = (OutOfResources, CompilationError, RuntimeError)
 
@@ -112,6 +115,31 @@ class DecodeBench:
         torch.testing.assert_close(current.decode_attention(**s), fn(**s), atol=2e-2, rtol=2e-2)
 
 
+def with_new_token(s: dict, args) -> dict:
+    """A decode set's inputs plus this step's token: q/k/v views of one projection output, its
+    position (the last of seq_lens) and cache slot, and Qwen2.5's rope tables."""
+    B, dtype = args.batch, s["q_BNH"].dtype
+    N, K, H = args.heads, args.kv_heads, args.head_dim
+    qkv = torch.randn(B, (N + 2 * K) * H, dtype=dtype, device="cuda")
+    q, k, v = (t.view(B, -1, H) for t in qkv.split([N * H, K * H, K * H], dim=-1))
+    pos = s["seq_lens"].long() - 1
+    blocks = s["block_tables"].gather(1, (pos // args.block_size)[:, None]).squeeze(1).long()
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, H, 2, dtype=torch.float, device="cuda") / H))
+    freqs = torch.arange(int(pos.max()) + 1, device="cuda", dtype=torch.float)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return {**s, "q_BNH": q, "k_BKH": k, "v_BKH": v, "positions": pos,
+            "slot_mapping": blocks * args.block_size + pos % args.block_size,
+            "cos_cache": emb.cos(), "sin_cache": emb.sin()}
+
+
+def two_kernels(positions, q_BNH, k_BKH, v_BKH, cos_cache, sin_cache, k_cache, v_cache,
+                slot_mapping, seq_lens, block_tables, scale):
+    """What the attention layer launched per decode step before the fusion."""
+    apply_rotary_and_store_kv(positions, q_BNH, k_BKH, v_BKH, cos_cache, sin_cache, k_cache,
+                              v_cache, slot_mapping)
+    return current.decode_attention(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
 def load_module(path: str):
     spec = importlib.util.spec_from_file_location("decode_attention_baseline", path)
     module = importlib.util.module_from_spec(spec)
@@ -153,16 +181,16 @@ def bench_prefill(args, prompt_len, num_prompts):
 
 
 def print_decode(rows: list[dict]) -> None:
-    print(f"{'kernel':<10}{'ctx':>6}{'splits':>8}  {'config (heads_kv/block_n/warps/stages)':<40}"
+    print(f"{'kernel':<16}{'ctx':>6}{'splits':>8}  {'config (heads_kv/block_n/warps/stages)':<40}"
           f"{'us':>9}{'GB/s':>8}{'hbm%':>7}")
     for r in rows:
         cfg = r.get("config")
         cfg = "/".join(str(v) for v in cfg.values()) if cfg else "default"
         splits = r.get("num_splits") or f"{r.get('default_splits', '')}*"
         if "error" in r:
-            print(f"{r['kernel']:<10}{r['context']:>6}{splits:>8}  {cfg:<40}  {r['error']}")
+            print(f"{r['kernel']:<16}{r['context']:>6}{splits:>8}  {cfg:<40}  {r['error']}")
             continue
-        print(f"{r['kernel']:<10}{r['context']:>6}{splits:>8}  {cfg:<40}"
+        print(f"{r['kernel']:<16}{r['context']:>6}{splits:>8}  {cfg:<40}"
               f"{r['us']:>9.1f}{r['GB/s']:>8.0f}{r['hbm%']:>7.0f}")
 
 
@@ -184,6 +212,8 @@ def main() -> None:
     p.add_argument("--hbm-gbs", type=float, default=4200.0,
                    help="bandwidth the hbm%% column is relative to (H200 copy: 4200)")
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--rotary", action="store_true",
+                   help="also time rotary + cache write + attention: two kernels vs the fused one")
     args = p.parse_args()
 
     baseline = load_module(args.baseline) if args.baseline else None
@@ -206,6 +236,18 @@ def main() -> None:
                      "default_splits": default_splits})
         for splits in args.splits:
             rows.append(bench.run(current.decode_attention, "current", num_splits=splits))
+        if args.rotary:
+            plain_sets = bench.sets
+            bench.sets = [with_new_token(s, args) for s in plain_sets]
+            s0 = bench.sets[0]
+            fused = current.rotary_store_decode_attention(**s0)
+            torch.testing.assert_close(fused, two_kernels(**{**s0, "q_BNH": s0["q_BNH"].clone(),
+                                                             "k_BKH": s0["k_BKH"].clone()}),
+                                       atol=0, rtol=0)
+            rows.append({**bench.run(two_kernels, "rot+store,attn"), "default_splits": default_splits})
+            rows.append({**bench.run(current.rotary_store_decode_attention, "fused"),
+                         "default_splits": default_splits})
+            bench.sets = plain_sets
         if args.sweep:
             swept = [bench.run(current.decode_attention, "sweep", num_splits=splits, config=cfg)
                      for cfg in sweep_configs(args) for splits in (1, 2, 4)]

@@ -55,6 +55,7 @@ class ThroughputConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     tensor_parallel_size: int = 1
+    decode_gemm: str = "cublas"  # EngineConfig.decode_gemm
     profile: bool = False  # after the timed run, profile decode steps (torch.profiler)
     hbm_bytes_per_s: float | None = None  # None: the device's, where known (roofline.py)
     peak_flops: float | None = None
@@ -169,6 +170,7 @@ def run_tandem(
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enforce_eager=cfg.enforce_eager, async_scheduling=cfg.async_scheduling,
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
+        decode_gemm=cfg.decode_gemm,
     )
     if isinstance(model_or_name, torch.nn.Module):
         llm = LLM(model_or_name, **kwargs)
@@ -403,6 +405,8 @@ def add_parser(subparsers) -> None:
                    help="launch each step before reading the previous one's tokens (default: on for CUDA)")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="GPUs to shard tandem's model over")
+    p.add_argument("--decode-gemm", default=d.decode_gemm,
+                   help="cublas | triton | a table .json (python -m tandem.bench.gemm --table-out)")
     p.add_argument("--profile", action="store_true", help="profile decode steps after the timed run")
     p.add_argument("--hbm-bytes-per-s", type=float, default=None,
                    help="memory bandwidth for the roofline (default: the device's where known: H200)")

@@ -46,6 +46,8 @@ _HELP = {
     "stream_interval": "streamed outputs: the first token at once, then every this many tokens",
     "max_admission_delay_steps": "new prompts wait up to this many CUDA-graph decode steps to join "
     "the running batch together (0: at once)",
+    "decode_gemm": "cublas | triton (the Triton GEMM where this GPU's table says it wins) | a table "
+    "(.json) from `python -m tandem.bench.gemm --table-out`",
     "batch_invariant": "batch-invariant kernels: a token's logits never depend on the rest of the "
     "batch (exact trainer/engine logprob parity for RL; slower)",
 }

@@ -7,6 +7,7 @@ profile a forward pass to size the KV cache, allocate it, capture graphs, warm t
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -49,6 +50,7 @@ class Worker:
         self.use_cumem = self._use_cumem()
         self.weight_store = WeightStore(self.model, self.device, self.use_cumem)
         self.model_runner = ModelRunner(config, self.model, self.device, self.dtype)
+        self.decode_gemm_layers = self._apply_decode_gemm()  # before any graph captures a GEMM
         self.attention_backend = self.model_runner.set_attention_backend(config.attention_backend)
         # what the profiling pass measured (None where nothing was profiled: CPU, fixed block count)
         self.num_blocks, self.memory_profile = determine_num_blocks(
@@ -64,6 +66,18 @@ class Worker:
         self.sleep_level = 0  # 0: awake
         self.weights_version = 0  # bumped by every weight update; a trainer can assert it moved
         self.weights_valid = True  # False after sleep(level=2) until new weights are loaded
+
+    def _apply_decode_gemm(self) -> int:
+        """Layers that run the Triton decode GEMM for some M (`EngineConfig.decode_gemm`)."""
+        if self.config.decode_gemm == "cublas":
+            return 0
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"decode_gemm={self.config.decode_gemm!r} runs Triton kernels: it needs a CUDA "
+                f"device (got {self.device.type!r}), or TRITON_INTERPRET=1 on the CPU (for tests)")
+        from tandem.layers.decode_gemm import apply_decode_gemm, load_table
+
+        return apply_decode_gemm(self.model, load_table(self.config.decode_gemm, self.device))
 
     def _use_cumem(self) -> bool:
         cfg = self.config

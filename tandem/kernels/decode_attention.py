@@ -12,6 +12,11 @@ With one split the program writes the final output. With several it writes a par
 its log-sum-exp, and a second kernel merges the splits. The split count depends on shapes only,
 never on device values, so the launch can be captured in a CUDA graph and replayed with any
 seq_lens. It is a runtime argument: a new split count needs no recompilation.
+
+`rotary_store_decode_attention` is the attention layer's decode step in one launch: each program
+rotates its query heads in registers, and the program whose keys end at the step's new token
+rotates that token's key and writes it and the value to the cache before its loop reads them
+back (instead of `rotary.apply_rotary_and_store_kv`, then this kernel: one launch fewer per layer).
 """
 
 from __future__ import annotations
@@ -26,17 +31,37 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _rope_table(ptr, mask, dtype: tl.constexpr):
+    """A row of the fp32 cos or sin cache, rounded to the activation dtype as `.to(q.dtype)`."""
+    return tl.load(ptr, mask=mask, other=0.0).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rope(x, x_partner, cos, signed_sin):
+    """x * cos + rotate_half(x) * sin, each product and the sum rounded to x's dtype as
+    `tandem.kernels.rotary` (and three torch ops) round them."""
+    dtype = x.dtype
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    b = (x_partner.to(tl.float32) * signed_sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
 # One compiled variant for every split count and block-table width (eager steps size the table
 # by their longest sequence; a graph's table is always full width).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
     out_ptr, lse_ptr,
+    new_k_ptr, new_v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -71,12 +96,38 @@ def _decode_kernel(
         col_mask = col_d < HEAD_DIM
     own = (rows[:, None] // GROUP == col_kv[None, :]) & row_mask[:, None] & col_mask[None, :]
     seq64 = seq.to(tl.int64)
-    q = tl.load(q_ptr + seq64 * stride_qb + head[:, None] * stride_qh + col_d[None, :],
-                mask=own, other=0.0)  # [M, C] block-diagonal
+    q_rows = q_ptr + seq64 * stride_qb + head[:, None] * stride_qh
+    q = tl.load(q_rows + col_d[None, :], mask=own, other=0.0)  # [M, C] block-diagonal
 
     kv_head = kv_block * HEADS_KV + col_kv
     k_cols = kv_head * stride_kh + col_d  # [C]
     v_cols = kv_head * stride_vh + col_d
+    if ROTARY:
+        # Rotate q here, and let the program whose keys end at this step's token write its k
+        # (rotated) and v to the cache before reading it back: `apply_rotary_and_store_kv` and
+        # this kernel's attention in one launch, with the same numbers.
+        partner = tl.where(col_d < HALF, col_d + HALF, col_d - HALF)
+        sign = tl.where(col_d < HALF, -1.0, 1.0)
+        pos = tl.load(pos_ptr + seq64).to(tl.int64)
+        cos = _rope_table(cos_ptr + pos * stride_cos + col_d, col_mask, q_ptr.dtype.element_ty)
+        sin = _rope_table(sin_ptr + pos * stride_cos + col_d, col_mask, q_ptr.dtype.element_ty)
+        q_partner = tl.load(q_rows + partner[None, :], mask=own, other=0.0)
+        q = _rope(q, q_partner, cos[None, :], sign * sin[None, :])
+        last = seq_len - 1
+        slot = tl.load(slot_ptr + seq64).to(tl.int64)
+        if (start <= last) & (last < end) & (slot >= 0):
+            k_row = new_k_ptr + seq64 * stride_nkb + kv_head * stride_nkh
+            k_new = _rope(tl.load(k_row + col_d, mask=col_mask, other=0.0),
+                          tl.load(k_row + partner, mask=col_mask, other=0.0), cos, sign * sin)
+            v_new = tl.load(new_v_ptr + seq64 * stride_nvb + kv_head * stride_nvh + col_d,
+                            mask=col_mask, other=0.0)
+            page = slot // BLOCK_SIZE
+            in_page = slot % BLOCK_SIZE
+            tl.store(k_cache_ptr + page * stride_kb + in_page * stride_ks + k_cols,
+                     k_new.to(k_cache_ptr.dtype.element_ty), mask=col_mask)
+            tl.store(v_cache_ptr + page * stride_vb + in_page * stride_vs + v_cols,
+                     v_new.to(v_cache_ptr.dtype.element_ty), mask=col_mask)
+        tl.debug_barrier()  # the cache write is seen by every thread of the program's loads
     bt_row = block_tables_ptr + seq64 * stride_bt
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -204,6 +255,48 @@ def decode_attention(
     `num_splits` defaults to a value computed from shapes (B, kv heads, block_tables width), so
     the same launch is valid for every seq_lens <= block_tables.shape[1] * block_size.
     """
+    return _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config)
+
+
+def rotary_store_decode_attention(
+    positions: torch.Tensor,
+    q_BNH: torch.Tensor,
+    k_BKH: torch.Tensor,
+    v_BKH: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """`apply_rotary_and_store_kv` of this step's q, k, v, then `decode_attention`, in one launch.
+
+    One new token per sequence: k [B, K, H] and v are sequence b's token at positions[b], whose
+    slot (slot_mapping[b]; -1 skips it) is the last of its seq_lens[b] keys. q and k are rotated
+    in registers only (the inputs are left as they were); the output equals the two-kernel path's.
+    """
+    batch, _, head_dim = q_BNH.shape
+    assert k_BKH.shape == v_BKH.shape == (batch, k_cache.shape[2], head_dim), (
+        f"{k_BKH.shape=} {v_BKH.shape=}, expected ({batch}, {k_cache.shape[2]}, {head_dim})")
+    assert k_BKH.dtype == v_BKH.dtype == q_BNH.dtype, f"{q_BNH.dtype=} {k_BKH.dtype=} {v_BKH.dtype=}"
+    assert k_BKH.stride(-1) == 1 and v_BKH.stride(-1) == 1, "k and v need a contiguous last dim"
+    assert head_dim % 2 == 0, f"head_dim ({head_dim}) must be even"
+    assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == head_dim
+    assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
+    assert positions.shape == slot_mapping.shape == (batch,), (
+        f"{positions.shape=} {slot_mapping.shape=}: one token per sequence ({batch})")
+    new = (k_BKH, v_BKH, positions, cos_cache, sin_cache, slot_mapping)
+    return _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config, new)
+
+
+def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config,
+            new=None) -> torch.Tensor:
+    """`new` = (k, v, positions, cos_cache, sin_cache, slot_mapping): rotate and store first."""
     batch, num_heads, head_dim = q_BNH.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
@@ -234,10 +327,17 @@ def decode_attention(
     else:
         mid_lse = out  # unused
         dst, dst_split_stride = out, 0
+    if new is None:  # placeholders the kernel never reads
+        new_k, new_v, positions, cos_cache, sin_cache, slot_mapping = (q_BNH,) * 3 + (out,) * 3
+        new_strides = (0, 0, 0, 0, 0)
+    else:
+        new_k, new_v, positions, cos_cache, sin_cache, slot_mapping = new
+        new_strides = (*new_k.stride()[:2], *new_v.stride()[:2], cos_cache.stride(0))
     grid = (num_kv_heads // cfg.heads_kv, num_splits, batch)
     _decode_kernel[grid](
         q_BNH, k_cache, v_cache, seq_lens, block_tables,
         dst, mid_lse,
+        new_k, new_v, positions, cos_cache, sin_cache, slot_mapping,
         scale * LOG2E, num_splits,
         q_BNH.stride(0), q_BNH.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -245,6 +345,9 @@ def decode_attention(
         block_tables.stride(0),
         dst.stride(0), dst.stride(1), dst_split_stride,
         mid_lse.stride(0), mid_lse.stride(1),
+        *new_strides,
+        ROTARY=new is not None,
+        HALF=head_dim // 2,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,

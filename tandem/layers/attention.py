@@ -25,6 +25,12 @@ class TorchAttentionBackend:
         self.store_kvcache(k, v, k_cache, v_cache, meta)
         return q
 
+    def rotary_store_attend(self, rotary_emb, positions, q, k, v, k_cache, v_cache,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Rotate q and k, write k and v to the cache, attend: one step's whole attention."""
+        q = self.rotary_store_kvcache(rotary_emb, positions, q, k, v, k_cache, v_cache, meta)
+        return self.forward(q, k_cache, v_cache, meta, scale)
+
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention_ref(
             q, k_cache, v_cache, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_tables, scale
@@ -54,10 +60,9 @@ class Attention(nn.Module):
                 q_TNH, k_TNH = rotary_emb(positions, q_TNH, k_TNH)
             return self._no_cache_causal(q_TNH, k_TNH, v_TNH)
         if rotary_emb is not None:
-            q_TNH = self.backend.rotary_store_kvcache(rotary_emb, positions, q_TNH, k_TNH, v_TNH,
-                                                      self.k_cache, self.v_cache, meta)
-        else:
-            self.backend.store_kvcache(k_TNH, v_TNH, self.k_cache, self.v_cache, meta)
+            return self.backend.rotary_store_attend(rotary_emb, positions, q_TNH, k_TNH, v_TNH,
+                                                    self.k_cache, self.v_cache, meta, self.scale)
+        self.backend.store_kvcache(k_TNH, v_TNH, self.k_cache, self.v_cache, meta)
         return self.backend.forward(q_TNH, self.k_cache, self.v_cache, meta, self.scale)
 
     def _no_cache_causal(self, q, k, v) -> torch.Tensor:

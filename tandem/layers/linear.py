@@ -59,20 +59,33 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     return acc.add_(linear_fp32_out(a, b.t()))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, or its batch-invariant kernel when that mode is on (`tandem.batch_invariant`)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           decode_gemm: tuple | None = None) -> torch.Tensor:
+    """F.linear, or its batch-invariant kernel when that mode is on (`tandem.batch_invariant`), or
+    the Triton decode GEMM where the layer's table (`tandem.layers.decode_gemm`) picks it."""
     if batch_invariant.is_enabled():
         from tandem.kernels.batch_invariant import linear as bi_linear
 
         return bi_linear(x, weight, bias)
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if decode_gemm is not None and not needs_grad:  # the kernel has no backward
+        from tandem.layers.decode_gemm import pick
+
+        config = pick(decode_gemm, x.numel() // x.shape[-1])
+        if config is not None:
+            from tandem.kernels.decode_gemm import linear as triton_linear
+
+            return triton_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
     """A plain linear layer (no sharding)."""
 
+    decode_gemm: tuple | None = None  # set by `tandem.layers.decode_gemm.apply_decode_gemm`
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.decode_gemm)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         default_weight_loader(param, loaded)
@@ -90,13 +103,15 @@ class LMHead(Linear):
 class MergedLinear(nn.Linear):
     """Several projections of one input stored as one weight, e.g. q/k/v or gate/up."""
 
+    decode_gemm: tuple | None = None  # as Linear's
+
     def __init__(self, in_features: int, output_sizes: list[int], shard_ids: list, bias: bool):
         super().__init__(in_features, sum(output_sizes), bias=bias)
         self.output_sizes = output_sizes
         self.shard_ids = list(shard_ids)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.decode_gemm)
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         i = self.shard_ids.index(shard_id)

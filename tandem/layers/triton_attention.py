@@ -1,7 +1,8 @@
 """Triton attention backend: the GPU counterpart of `TorchAttentionBackend`, with no host sync.
 
-Decode-only steps (one query per sequence, CUDA-graph friendly) go to split-KV decode attention;
-every other step (prefill, chunked prefill, mixed batches) goes to varlen prefill attention.
+Decode-only steps (one query per sequence, CUDA-graph friendly) go to split-KV decode attention,
+which also rotates q and k and writes the cache (one launch per layer); every other step
+(prefill, chunked prefill, mixed batches) goes to varlen prefill attention.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 
 from tandem import batch_invariant
 from tandem.forward_context import AttentionMetadata
-from tandem.kernels.decode_attention import decode_attention
+from tandem.kernels.decode_attention import decode_attention, rotary_store_decode_attention
 from tandem.kernels.kv_cache import store_kvcache
 from tandem.kernels.prefill_attention import prefill_attention
 from tandem.kernels.rotary import apply_rotary_and_store_kv
@@ -20,6 +21,10 @@ class TritonAttentionBackend:
     """Paged attention through Triton kernels; reads only device tensors and max_query_len."""
 
     name = "triton"
+
+    def __init__(self, fuse_decode: bool = True):
+        # Decode steps: rotary, cache write and attention in one kernel (False: two, for A/B runs)
+        self.fuse_decode = fuse_decode
 
     def store_kvcache(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -34,6 +39,18 @@ class TritonAttentionBackend:
         q, _ = apply_rotary_and_store_kv(positions, q, k, v, rotary_emb.cos_cache, rotary_emb.sin_cache,
                                          k_cache, v_cache, meta.slot_mapping)
         return q
+
+    def rotary_store_attend(self, rotary_emb, positions, q, k, v, k_cache, v_cache,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A decode step is one kernel (`rotary_store_decode_attention`); any other step, or one
+        needing autograd or batch-invariant numerics, rotates and stores, then attends."""
+        if (self.fuse_decode and meta.decode_only and not batch_invariant.is_enabled()
+                and not (q.requires_grad or k.requires_grad or v.requires_grad)):
+            return rotary_store_decode_attention(
+                positions, q, k, v, rotary_emb.cos_cache, rotary_emb.sin_cache, k_cache, v_cache,
+                meta.slot_mapping, meta.seq_lens, meta.block_tables, scale)
+        q = self.rotary_store_kvcache(rotary_emb, positions, q, k, v, k_cache, v_cache, meta)
+        return self.forward(q, k_cache, v_cache, meta, scale)
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if batch_invariant.is_enabled():

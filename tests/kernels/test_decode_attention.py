@@ -159,3 +159,106 @@ def test_decode_cuda_graph_replay_with_new_seq_lens(paged_kv, close):
         graph.replay()
         torch.cuda.synchronize()
         close(out, reference(q, k_cache, v_cache, lens, block_tables, 0.1))
+
+
+def fused_case(seq_lens, num_kv_heads, group, head_dim, block_size, dtype, device, paged_kv):
+    """A decode step: each sequence's new token (the last of its seq_lens keys) as q, k, v views
+    of one projection output, with its position and cache slot (-1 for a seq_len-0 padding row)."""
+    from transformers import Qwen2Config
+
+    from tandem.layers.rotary import RotaryEmbedding
+
+    k_cache, v_cache, block_tables = paged_kv(seq_lens, num_kv_heads, head_dim, block_size,
+                                              dtype, device)
+    B, N, K = len(seq_lens), num_kv_heads * group, num_kv_heads
+    gen = torch.Generator().manual_seed(5)
+    qkv = (2 * torch.randn(B, (N + 2 * K) * head_dim, generator=gen)).to(device, dtype)
+    q, k, v = (t.view(B, -1, head_dim) for t in qkv.split([N * head_dim, K * head_dim,
+                                                          K * head_dim], dim=-1))
+    tables = block_tables.tolist()
+    slots = [tables[b][(n - 1) // block_size] * block_size + (n - 1) % block_size if n else -1
+             for b, n in enumerate(seq_lens)]
+    rope = RotaryEmbedding(Qwen2Config(hidden_size=N * head_dim, num_attention_heads=N,
+                                       rope_theta=1e6), head_dim, 4096).to(device)
+    return {
+        "positions": torch.tensor([max(n - 1, 0) for n in seq_lens], device=device),
+        "q_BNH": q, "k_BKH": k, "v_BKH": v,
+        "cos_cache": rope.cos_cache, "sin_cache": rope.sin_cache,
+        "k_cache": k_cache, "v_cache": v_cache,
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64, device=device),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        "block_tables": block_tables, "scale": head_dim**-0.5,
+    }
+
+
+def two_kernel_path(c, num_splits):
+    """What the attention layer launched before the fusion: rotary + cache write, then attention."""
+    from tandem.kernels.rotary import apply_rotary_and_store_kv
+
+    q, k, v = c["q_BNH"].clone(), c["k_BKH"].clone(), c["v_BKH"].clone()
+    k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
+    apply_rotary_and_store_kv(c["positions"], q, k, v, c["cos_cache"], c["sin_cache"], k_cache,
+                              v_cache, c["slot_mapping"])
+    out = decode_attention(q, k_cache, v_cache, c["seq_lens"], c["block_tables"], c["scale"],
+                           num_splits)
+    return out, k_cache, v_cache
+
+
+def torch_path(c):
+    """The torch backend's arithmetic, in fp32: rotate, store, attend (no Triton)."""
+    from tandem.kernels.attention_ref import store_kvcache_ref
+    from tandem.kernels.rotary_ref import apply_rotary_ref
+
+    q, k = apply_rotary_ref(c["positions"], c["q_BNH"], c["k_BKH"], c["cos_cache"], c["sin_cache"])
+    k_cache, v_cache = c["k_cache"].clone(), c["v_cache"].clone()
+    store_kvcache_ref(k, c["v_BKH"], k_cache, v_cache, c["slot_mapping"])
+    return reference(q, k_cache, v_cache, c["seq_lens"].tolist(), c["block_tables"], c["scale"])
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,group,head_dim,block_size",
+    [(2, 6, 128, 16), (4, 2, 128, 8), (1, 3, 80, 16), (3, 1, 64, 32)],
+)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test below
+def test_fused_rotary_store_decode_equals_two_kernels(
+    num_kv_heads, group, head_dim, block_size, num_splits, dtype, device, paged_kv, close
+):
+    """One launch gives the two-kernel path's output and cache bit for bit (4 kv heads: two
+    programs per sequence, each writing its own heads; a seq_len-0 padding row writes nothing),
+    and the torch backend's attention within tolerance; its inputs are left unrotated."""
+    from tandem.kernels.decode_attention import rotary_store_decode_attention
+
+    c = fused_case([1, 7, 33, 0, 100, 16], num_kv_heads, group, head_dim, block_size, dtype,
+                   device, paged_kv)
+    q0, k0 = c["q_BNH"].clone(), c["k_BKH"].clone()
+    want, want_k, want_v = two_kernel_path(c, num_splits)
+    out = rotary_store_decode_attention(**c, num_splits=num_splits)
+    assert torch.equal(c["q_BNH"], q0) and torch.equal(c["k_BKH"], k0)
+    assert torch.equal(c["k_cache"].nan_to_num(7.0), want_k.nan_to_num(7.0))
+    assert torch.equal(c["v_cache"].nan_to_num(7.0), want_v.nan_to_num(7.0))
+    assert torch.equal(out, want)
+    if dtype == torch.float32:
+        close(out, torch_path(c))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 6), (4, 7)])
+def test_fused_rotary_store_decode_bf16_in_a_cuda_graph(num_kv_heads, group, paged_kv):
+    """bf16 on the GPU, captured once and replayed: bit for bit the two-kernel path (the cache
+    write is read back by the program that made it: the barrier must order it)."""
+    from tandem.kernels.decode_attention import rotary_store_decode_attention
+
+    c = fused_case([1, 15, 16, 17, 384, 1000, 0, 3], num_kv_heads, group, 128, 16,
+                   torch.bfloat16, "cuda", paged_kv)
+    want, want_k, want_v = two_kernel_path(c, None)
+    rotary_store_decode_attention(**c)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rotary_store_decode_attention(**c)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    assert torch.equal(c["k_cache"].nan_to_num(7.0), want_k.nan_to_num(7.0))
+    assert torch.equal(c["v_cache"].nan_to_num(7.0), want_v.nan_to_num(7.0))

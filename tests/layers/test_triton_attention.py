@@ -68,3 +68,55 @@ def test_triton_backend_matches_torch_backend(num_heads, num_kv_heads, head_dim)
         assert torch.equal(triton_layer.k_cache, torch_layer.k_cache)
         assert torch.equal(triton_layer.v_cache, torch_layer.v_cache)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fuse_decode", [True, False])
+def test_triton_backend_with_rotary_matches_torch_backend(fuse_decode):
+    """With the rotary embedding handed to the layer (as the decoder does), decode steps are one
+    fused kernel (or, unfused, rotary + cache write, then attention): caches and outputs match
+    the torch backend's step after step, and a decode row of a padded graph batch (slot -1,
+    seq_len 0) touches no cache slot."""
+    from transformers import Qwen2Config
+
+    from tandem.layers.rotary import RotaryEmbedding
+
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    rope = RotaryEmbedding(Qwen2Config(hidden_size=num_heads * head_dim,
+                                       num_attention_heads=num_heads, rope_theta=1e6), head_dim, 256)
+    rope = rope.to(DEVICE)
+    block_tables = [[5, 2, 7], [1, 6], [3, 4]]
+    steps = [
+        ([(0, 20), (0, 9), (0, 1)], False),
+        ([(20, 1), (9, 1), (1, 1)], True),
+        ([(21, 1), (10, 12), (2, 1)], False),
+        ([(22, 1), (22, 1), (3, 1)], True),
+    ]
+    torch_layer = make_layer(TorchAttentionBackend(), num_heads, num_kv_heads, head_dim, 8)
+    triton_layer = make_layer(TritonAttentionBackend(fuse_decode), num_heads, num_kv_heads,
+                              head_dim, 8)
+    gen = torch.Generator().manual_seed(0)
+    for seqs, decode_only in steps:
+        meta = metadata(seqs, block_tables, decode_only)
+        positions = torch.tensor([p for cached, new in seqs for p in range(cached, cached + new)],
+                                 device=DEVICE)
+        T = positions.shape[0]
+        q = torch.randn(T, num_heads, head_dim, generator=gen).to(DEVICE)
+        k = torch.randn(T, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+        v = torch.randn(T, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+        if decode_only:  # a padding row past the real ones, as a captured graph's batch has
+            meta.slot_mapping = torch.cat([meta.slot_mapping, meta.slot_mapping.new_tensor([-1])])
+            meta.seq_lens = torch.cat([meta.seq_lens, meta.seq_lens.new_tensor([0])])
+            meta.block_tables = torch.cat([meta.block_tables, meta.block_tables[:1] * 0])
+            positions = torch.cat([positions, positions[:1]])
+            q, k, v = (torch.cat([t, t[:1]]) for t in (q, k, v))
+        with set_attention_metadata(meta):
+            out = triton_layer(q.clone(), k.clone(), v.clone(), positions, rope)
+        if decode_only:
+            out = out[:-1]
+            q, k, v, positions = q[:-1], k[:-1], v[:-1], positions[:-1]
+            meta = metadata(seqs, block_tables, decode_only)
+        with set_attention_metadata(meta):
+            expected = torch_layer(q, k, v, positions, rope)
+        assert torch.equal(triton_layer.k_cache, torch_layer.k_cache)
+        assert torch.equal(triton_layer.v_cache, torch_layer.v_cache)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -1,0 +1,265 @@
+"""Decode GEMM study on one GPU: cuBLAS, cuBLASLt, TunableOp and the Triton decode GEMM.
+
+    python -m tandem.bench.gemm [--models qwen2.5-1.5b qwen2.5-7b --rows 64 128 256
+        --table-out decode_gemm_table.json --quick]
+
+Every linear layer of a decode step (q/k/v with its bias, o, gate/up, down; shapes from
+`tandem.models.presets`) at M rows, timed as the engine runs it: inside a CUDA graph, rotating
+over enough weight copies that L2 holds none of the weight a call reads (the input stays hot, as
+the previous kernel just wrote it). The Triton GEMM is swept over tiles and split-K counts. Each
+row reports us, TFLOP/s, GB/s of weight read and % of the roofline max(weight bytes / HBM,
+FLOPs / peak). `--table-out` writes, per shape and M bucket, the faster of cuBLAS and the best
+Triton config: the table `EngineConfig(decode_gemm=PATH)` reads. Ends with one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+from tandem.bench.kernels import LAUNCH_ERRORS, time_in_graph
+from tandem.kernels.decode_gemm import GemmConfig, default_config, linear
+
+TILES = [  # (block_m, block_n, block_k, num_warps)
+    (64, 32, 128, 4), (64, 64, 64, 4), (64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4),
+    (64, 256, 64, 8), (128, 64, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8),
+]
+QUICK_TILES = [(64, 64, 128, 4), (64, 128, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8)]
+SPLITS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
+
+
+def decode_shapes(model: str) -> list[dict]:
+    """The four GEMMs of one layer: name, N, K, bias, and how many layers run it."""
+    from tandem.models.presets import preset_config
+
+    c = preset_config(model)
+    hd = c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    bias = c.model_type == "qwen2"  # Qwen2's q/k/v have biases
+    return [
+        {"model": model, "op": "qkv", "N": q + 2 * kv, "K": h, "bias": bias, "layers": L},
+        {"model": model, "op": "o", "N": h, "K": q, "bias": False, "layers": L},
+        {"model": model, "op": "gate_up", "N": 2 * i, "K": h, "bias": False, "layers": L},
+        {"model": model, "op": "down", "N": h, "K": i, "bias": False, "layers": L},
+    ]
+
+
+def split_candidates(M: int, N: int, K: int, cfg_tile, sms: int) -> list[int]:
+    bm, bn, bk, _ = cfg_tile
+    tiles = -(-M // bm) * -(-N // bn)
+    return [s for s in SPLITS if (s == 1 or tiles * s <= 2.2 * sms) and K // s >= 2 * bk]
+
+
+class ShapeBench:
+    """Weight copies for one shape (enough that L2 holds none), one input per M."""
+
+    def __init__(self, shape: dict, dtype: torch.dtype, l2_bytes: int):
+        self.shape = shape
+        N, K = shape["N"], shape["K"]
+        w_bytes = N * K * torch.empty((), dtype=dtype).element_size()
+        n_sets = min(16, max(2, -(-3 * l2_bytes // w_bytes)))
+        self.weights = [torch.randn(N, K, device="cuda", dtype=dtype) / K**0.5 for _ in range(n_sets)]
+        self.bias = torch.randn(N, device="cuda", dtype=dtype) if shape["bias"] else None
+        self.w_bytes = w_bytes
+
+    def time(self, fn, x) -> float:
+        return time_in_graph([lambda w=w: fn(x, w, self.bias) for w in self.weights])
+
+
+def roofline_us(M, N, K, w_bytes, hbm, flops) -> float:
+    return 1e6 * max(w_bytes / hbm, 2 * M * N * K / flops)
+
+
+def row(shape, M, label, us, w_bytes, hbm, flops, **extra) -> dict:
+    N, K = shape["N"], shape["K"]
+    roof = roofline_us(M, N, K, w_bytes, hbm, flops)
+    base = {"model": shape["model"], "op": shape["op"], "layers": shape["layers"], "M": M, "N": N,
+            "K": K, "impl": label, "us": us, "roofline_us": roof}
+    if us is None:  # failed: no figures
+        return {**base, **extra}
+    return {**base, "TFLOP/s": 2 * M * N * K / us / 1e6, "GB/s": w_bytes / us / 1e3,
+            "roofline%": 100 * roof / us, **extra}
+
+
+def time_cublas(bench, x, lib: str | None) -> float:
+    prev = torch.backends.cuda.preferred_blas_library()
+    try:
+        if lib is not None:
+            torch.backends.cuda.preferred_blas_library(lib)
+        return bench.time(F.linear, x)
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
+
+
+def time_tunable(bench, x, results_dir: str) -> float:
+    """F.linear through TunableOp (tuned on the first call, outside the graph). On CUDA builds
+    torch documents a single solution, cuBLAS's default, so this checks it costs nothing."""
+    from torch.cuda import tunable
+
+    tunable.set_filename(os.path.join(results_dir, "tunableop_results.csv"))
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    try:
+        for w in bench.weights:
+            F.linear(x, w, bench.bias)
+        torch.cuda.synchronize()
+        return bench.time(F.linear, x)
+    finally:
+        tunable.tuning_enable(False)
+        tunable.enable(False)
+
+
+def study_shape(shape, rows, args, dtype, sms, l2, tmp) -> list[dict]:
+    bench = ShapeBench(shape, dtype, l2)
+    N, K, wb = shape["N"], shape["K"], bench.w_bytes
+    out = []
+    for M in rows:
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        want = F.linear(x, bench.weights[0], bench.bias).float()
+        tol = 0.02 * want.abs().max().item() + 1e-3  # bf16 outputs: a few ulps of the largest
+        cublas = bench.time(F.linear, x)
+        out.append(row(shape, M, "cublas", cublas, wb, args.hbm, args.flops))
+        for label in ("cublaslt", "tunableop"):
+            if label in args.skip:
+                continue
+            try:
+                us = (time_cublas(bench, x, "cublaslt") if label == "cublaslt"
+                      else time_tunable(bench, x, tmp))
+                out.append(row(shape, M, label, us, wb, args.hbm, args.flops))
+            except (RuntimeError, AttributeError) as e:
+                out.append(row(shape, M, label, None, wb, args.hbm, args.flops,
+                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+        configs = [default_config(M, N, K, x.device)]
+        for tile in (QUICK_TILES if args.quick else TILES):
+            if tile[0] > max(64, M):
+                continue
+            configs += [GemmConfig(*tile[:3], s, tile[3], stages)
+                        for s in split_candidates(M, N, K, tile, sms) for stages in args.stages]
+        best = None
+        for i, cfg in enumerate(dict.fromkeys(configs)):
+            fn = lambda x_, w, b, cfg=cfg: linear(x_, w, b, cfg)
+            try:
+                err = (fn(x, bench.weights[0], bench.bias).float() - want).abs().max().item()
+                us = bench.time(fn, x)
+            except LAUNCH_ERRORS as e:
+                out.append(row(shape, M, "triton", None, wb, args.hbm, args.flops,
+                               config=asdict(cfg), error=f"{type(e).__name__}"))
+                continue
+            wrong = err > tol  # e.g. a split-K fix-up that read a partial too early
+            r = row(shape, M, "triton-default" if i == 0 else "triton", us, wb, args.hbm,
+                    args.flops, config=asdict(cfg), max_abs_err=err, wrong=wrong)
+            out.append(r)
+            if not wrong and (best is None or us < best["us"]):
+                best = r
+        if best is not None:
+            cfg = GemmConfig(**best["config"])
+            again = [linear(x, bench.weights[0], bench.bias, cfg) for _ in range(3)]
+            same = all(torch.equal(a, again[0]) for a in again)
+            out.append({**best, "impl": "triton-best", "speedup_vs_cublas": cublas / best["us"],
+                        "deterministic": same})
+    bench.weights.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
+def make_table(results: list[dict], device: str, dtype: str, margin: float) -> dict:
+    """Per (N, K): for each measured M, Triton's best config where it beats cuBLAS by `margin`."""
+    shapes: dict[str, list] = {}
+    for r in results:
+        if r["impl"] != "triton-best":
+            continue
+        wins = r["speedup_vs_cublas"] >= 1 + margin and r.get("deterministic", True)
+        entry = {"max_m": r["M"], "backend": "triton" if wins else "cublas",
+                 "config": r["config"] if wins else None,
+                 "triton_us": round(r["us"], 2), "cublas_us": round(r["us"] * r["speedup_vs_cublas"], 2)}
+        shapes.setdefault(f"{r['N']},{r['K']}", []).append(entry)
+    for entries in shapes.values():
+        entries.sort(key=lambda e: e["max_m"])
+    return {"device": device, "dtype": dtype, "shapes": shapes}
+
+
+def print_rows(results: list[dict]) -> None:
+    print(f"{'model':<14}{'op':<9}{'M':>5}{'N':>7}{'K':>7}  {'impl':<15}{'us':>8}{'TFLOP/s':>9}"
+          f"{'GB/s':>7}{'roof%':>7}  config (block_m/n/k/split_k/warps/stages)")
+    for r in results:
+        if r["impl"] == "triton" and not r.get("error") and not r.get("wrong"):
+            continue  # the sweep: in the JSON
+        cfg = r.get("config")
+        cfg = "/".join(str(v) for v in cfg.values()) if cfg else ""
+        extra = f"  x{r['speedup_vs_cublas']:.2f} vs cuBLAS" if "speedup_vs_cublas" in r else ""
+        extra += f"  WRONG (max err {r['max_abs_err']:.3g})" if r.get("wrong") else ""
+        extra += "  NOT DETERMINISTIC" if r.get("deterministic") is False else ""
+        if r.get("error"):
+            print(f"{r['model']:<14}{r['op']:<9}{r['M']:>5}{r['N']:>7}{r['K']:>7}  {r['impl']:<15}"
+                  f"  {cfg}  {r['error']}")
+            continue
+        print(f"{r['model']:<14}{r['op']:<9}{r['M']:>5}{r['N']:>7}{r['K']:>7}  {r['impl']:<15}"
+              f"{r['us']:>8.1f}{r['TFLOP/s']:>9.0f}{r['GB/s']:>7.0f}{r['roofline%']:>7.0f}  {cfg}{extra}")
+
+
+def step_savings(results: list[dict]) -> dict:
+    """Per model and M: ms per decode step saved if every GEMM ran its best (Triton or cuBLAS)."""
+    out: dict = {}
+    for r in results:
+        if r["impl"] != "triton-best":
+            continue
+        cublas = r["us"] * r["speedup_vs_cublas"]
+        key = f"{r['model']}@{r['M']}"
+        s = out.setdefault(key, {"cublas_ms": 0.0, "best_ms": 0.0})
+        s["cublas_ms"] += r["layers"] * cublas / 1e3
+        s["best_ms"] += r["layers"] * min(cublas, r["us"]) / 1e3
+    for s in out.values():
+        s["saved_ms"] = s["cublas_ms"] - s["best_ms"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    p.add_argument("--ops", nargs="+", default=["qkv", "o", "gate_up", "down"])
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--quick", action="store_true", help="4 tiles instead of 10")
+    p.add_argument("--skip", nargs="*", default=[], help="cublaslt and/or tunableop")
+    p.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s (H200 spec: 4.8e12)")
+    p.add_argument("--flops", type=float, default=791e12, help="dense bf16 FLOP/s (H200: 791e12)")
+    p.add_argument("--margin", type=float, default=0.03,
+                   help="Triton enters the table where it beats cuBLAS by this fraction")
+    p.add_argument("--table-out", help="write the per-shape decode GEMM table (JSON) here")
+    args = p.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    props = torch.cuda.get_device_properties(0)
+    results: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.models:
+            for shape in decode_shapes(model):
+                if shape["op"] in args.ops:
+                    results += study_shape(shape, args.rows, args, dtype,
+                                           props.multi_processor_count, props.L2_cache_size, tmp)
+    print(f"{props.name}  {args.dtype}  roofline: {args.hbm:.2e} B/s, {args.flops:.3g} FLOP/s;"
+          "  timed in CUDA graphs, weights rotated past L2")
+    print_rows(results)
+    savings = step_savings(results)
+    for key, s in savings.items():
+        print(f"{key}: GEMMs {s['cublas_ms']:.3f} ms/step with cuBLAS, {s['best_ms']:.3f} with the "
+              f"best of each shape (saves {s['saved_ms']:.3f} ms)")
+    table = make_table(results, props.name, args.dtype, args.margin)
+    if args.table_out:
+        with open(args.table_out, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"table -> {args.table_out}")
+    print(json.dumps({"args": vars(args), "device": props.name, "step_savings": savings,
+                      "table": table, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

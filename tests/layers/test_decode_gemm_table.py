@@ -1,0 +1,86 @@
+"""Choosing the Triton decode GEMM per layer shape and M from a measured table."""
+
+import json
+
+import pytest
+import torch
+from model_fixtures import make_tiny_model
+
+from tandem import LLM, SamplingParams, config
+from tandem.kernels import decode_gemm as kernel
+from tandem.kernels.decode_gemm import GemmConfig
+from tandem.layers.decode_gemm import GemmChoice, apply_decode_gemm, parse_table, pick
+from tandem.layers.linear import Linear, LMHead
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton interpreted
+SMALL = {"block_m": 16, "block_n": 32, "block_k": 32, "split_k": 2, "num_warps": 4,
+         "num_stages": 2}
+
+
+def table(shapes, max_triton_m=4) -> dict:
+    """Triton for up to `max_triton_m` rows of every (N, K) given, cuBLAS up to 64, nothing after."""
+    return {"device": "test", "dtype": "float32", "shapes": {
+        f"{n},{k}": [{"max_m": 64, "backend": "cublas", "config": None},
+                     {"max_m": max_triton_m, "backend": "triton", "config": SMALL}]
+        for n, k in shapes}}
+
+
+def test_pick_takes_the_first_bucket_holding_m():
+    choices = parse_table(table([(8, 4)]))[(8, 4)]
+    assert [c.max_m for c in choices] == [4, 64]  # sorted
+    assert pick(choices, 1) == pick(choices, 4) == GemmConfig(**SMALL)
+    assert pick(choices, 5) is None and pick(choices, 64) is None  # cuBLAS's bucket
+    assert pick(choices, 65) is None  # past the table: cuBLAS
+    assert pick((GemmChoice(8, None),), 3) is None
+
+
+def test_layers_get_their_shapes_choices_and_run_triton_only_there(monkeypatch):
+    calls = []
+    linear = kernel.linear
+    monkeypatch.setattr(kernel, "linear", lambda *a, **k: calls.append(a[1].shape) or linear(*a, **k))
+    layer, other, head = Linear(32, 48), Linear(32, 40), LMHead(32, 48, bias=False)
+    model = torch.nn.ModuleList([layer, other, head]).to(DEVICE)
+    assert apply_decode_gemm(model, parse_table(table([(48, 32)]))) == 1
+    assert layer.decode_gemm is not None and other.decode_gemm is None and head.decode_gemm is None
+    with torch.no_grad():
+        x = torch.randn(3, 32, device=DEVICE)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)
+        assert calls == [(48, 32)]
+        layer(torch.randn(9, 32, device=DEVICE))  # cuBLAS's bucket
+        assert calls == [(48, 32)]
+    x = torch.randn(3, 32, device=DEVICE, requires_grad=True)  # autograd: never the kernel
+    layer(x).sum().backward()
+    assert calls == [(48, 32)]
+
+
+def test_config_refuses_an_unknown_choice(tmp_path):
+    with pytest.raises(ValueError, match="decode_gemm must be 'cublas', 'triton' or an existing"):
+        config.EngineConfig(decode_gemm="cutlass")
+    with pytest.raises(ValueError, match="decode_gemm"):
+        config.EngineConfig(decode_gemm=str(tmp_path / "missing.json"))
+
+
+def test_engine_greedy_tokens_unchanged_with_the_triton_gemm(tmp_path, monkeypatch):
+    """Every GEMM of a tiny Qwen2 (q/k/v with bias, o, gate/up, down) through the Triton kernel
+    (interpreted) for steps of up to 4 rows: the greedy tokens cuBLAS's path gives."""
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table([(128, 64), (64, 64), (256, 64), (64, 128)])))
+    calls = []
+    linear = kernel.linear
+    monkeypatch.setattr(kernel, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+    model = make_tiny_model("qwen2")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 11], [7, 3, 4, 4, 8, 1, 2], [20, 21]]
+
+    def tokens(gemm):
+        llm = LLM(model, attention_backend="triton", device=DEVICE, block_size=8, max_num_seqs=4,
+                  decode_gemm=gemm, dtype="float32")
+        assert llm.llm_engine.worker.decode_gemm_layers == (0 if gemm == "cublas" else 8)
+        return [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+    want = tokens("cublas")
+    assert not calls
+    assert tokens(str(path)) == want
+    assert calls  # decode steps (3 rows) ran the kernel
