@@ -60,7 +60,10 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        # The decode graphs end at the hidden states: each graph's output stays allocated in the
+        # pool, and fp32 logits per captured size would hold sum(sizes) x vocab x 4 bytes (2.4 GiB
+        # for a 152k vocabulary); the lm_head runs after the replay, on the real rows only.
+        self.decode_hidden: dict[int, torch.Tensor] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -91,8 +94,7 @@ class CUDAGraphRunner:
 
     def _forward_decode(self, bs: int) -> torch.Tensor:
         with set_attention_metadata(self._decode_meta(bs)):
-            hidden = self.model(self.input_ids[:bs], self.positions[:bs])
-        return self.model.compute_logits(hidden)
+            return self.model(self.input_ids[:bs], self.positions[:bs])
 
     def _forward_mixed(self, num_tokens: int) -> torch.Tensor:
         with set_attention_metadata(self._mixed_meta(num_tokens)):
@@ -109,7 +111,7 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         self.graphs.clear()
-        self.logits.clear()
+        self.decode_hidden.clear()
         self.mixed_graphs.clear()
         self.hidden.clear()
         self.pool = torch.cuda.graph_pool_handle()
@@ -118,7 +120,7 @@ class CUDAGraphRunner:
             self.mixed_graphs[num_tokens], self.hidden[num_tokens] = self._capture_one(
                 self._forward_mixed, num_tokens)
         for bs in reversed(self.sizes):
-            self.graphs[bs], self.logits[bs] = self._capture_one(self._forward_decode, bs)
+            self.graphs[bs], self.decode_hidden[bs] = self._capture_one(self._forward_decode, bs)
         torch.cuda.synchronize()
 
     def all_graphs(self) -> list[torch.cuda.CUDAGraph]:
@@ -155,7 +157,7 @@ class CUDAGraphRunner:
         self._load(input_ids, positions, slot_mapping, seq_lens, block_tables, bs, bs)
         self.graphs[bs].replay()
         self.num_replays["decode"] += 1
-        return self.logits[bs][:n]
+        return self.model.compute_logits(self.decode_hidden[bs][:n])
 
     def run_mixed(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                   block_tables) -> torch.Tensor:

@@ -80,6 +80,12 @@ class _FusedHeadLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_N):  # type: ignore[override]
+        # the forward ran with autocast off (head_logprobs); backward may be called under it
+        with torch.autocast(grad_N.device.type, enabled=False):
+            return _FusedHeadLogProbs._backward(ctx, grad_N)
+
+    @staticmethod
+    def _backward(ctx, grad_N):
         h_ND, weight_VD, target_N, lse_N = ctx.saved_tensors
         temperature, dtype, filt, chunk, hidden_dtype = ctx.args
         w_VD = weight_VD.to(dtype)

@@ -331,7 +331,7 @@ def _plan(
     )
     graphs = (
         _engine_activations(
-            sizes, w, engine_elem, min(w.cudagraph_tokens, w.max_num_batched_tokens)
+            sizes, w, engine_elem, min(w.cudagraph_tokens, w.max_num_batched_tokens), logits=False
         )
         if w.colocated and cuda and w.cuda_graphs
         else 0
@@ -375,10 +375,14 @@ def _plan(
     return plan
 
 
-def _engine_activations(sizes: ModelSizes, w: Workload, elem: int, tokens: int) -> int:
+def _engine_activations(
+    sizes: ModelSizes, w: Workload, elem: int, tokens: int, logits: bool = True
+) -> int:
     """The engine's largest forward (its profiling pass: `tandem.engine.memory.profile_run`):
-    hidden and residual states, q/k/v, the MLP's gate/up and product, then the sampler's fp32
-    logits, log-softmax and sort (values and int64 indices) for its largest batch of rows."""
+    hidden and residual states, q/k/v, the MLP's gate/up and product, then (`logits`) the
+    sampler's fp32 logits, log-softmax and sort (values and int64 indices) for its largest batch
+    of rows. The CUDA graphs' pool holds the largest captured forward without the logits (the
+    graphs end at the hidden states: `tandem.engine.cuda_graph`)."""
     N = min(tokens, (w.engine_len or w.row_len) * w.max_num_seqs)
     D, I, H, K, E = (
         sizes.hidden,
@@ -389,7 +393,7 @@ def _engine_activations(sizes: ModelSizes, w: Workload, elem: int, tokens: int) 
     )
     forward = N * elem * (4 * D + (H + 2 * K) * E + 3 * I)
     rows = min(w.max_num_seqs, N)
-    return int(forward + 20 * rows * sizes.vocab)
+    return int(forward + (20 * rows * sizes.vocab if logits else 0))
 
 
 def _kv_bytes(

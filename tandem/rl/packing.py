@@ -75,6 +75,13 @@ def _flash_varlen():
     return run
 
 
+def use_varlen_attention(model: torch.nn.Module) -> None:
+    """The model's attention is `ATTENTION` from now on: a padding-free trainer runs every pass
+    packed, and activation checkpointing recomputes each layer inside backward, after the
+    forward's own switch (`logprobs._attention`) would have been undone."""
+    model.config._attn_implementation = register()
+
+
 @cache
 def register() -> str:
     """Make `ATTENTION` a transformers attention implementation (and one that builds no mask)."""

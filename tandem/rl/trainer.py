@@ -85,6 +85,9 @@ class GRPOTrainer:
         # Data parallel under torchrun: each rank trains a replica on its slice of every batch.
         self.dist = DistributedContext.from_environment()
         engine_kwargs = engine_kwargs or {}
+        allocator_note = memory_setup.expandable_segments(self.device)
+        if allocator_note and self.dist.is_main:
+            print(allocator_note, flush=True)
         # Planned from the config before anything loads: a run that cannot fit is refused here.
         self.memory_plan = memory_setup.plan_before_loading(
             self._model_source(model), args, peft_config, self._engine_settings(engine_kwargs), self.device,

@@ -19,6 +19,7 @@ from tandem.rl.loss import grpo_loss, loss_kwargs_from_config, step_row_scales
 from tandem.rl.memory_plan import GIB, MemoryPlan
 from tandem.rl.memory_setup import plan_with_measured_activations
 from tandem.rl.memory_stats import PeakMemory
+from tandem.rl.packing import use_varlen_attention
 from tandem.rl.micro_batches import MicroBatches, fixed_steps, split_rows
 
 
@@ -41,6 +42,10 @@ class PolicyUpdate:
         self.guard = NonFiniteGuard(args.max_consecutive_nonfinite_steps)
         # recompute or not, chosen once: by the plan, from what a forward pass of this model saves
         self.memory_plan = plan_with_measured_activations(memory_plan, model, use_bf16, strategy.sharded)
+        if args.padding_free:  # after the probe, which runs padded rows
+            for m in (model, ref_model):
+                if m is not None:
+                    use_varlen_attention(m)
         self.recompute = self.memory_plan.recompute
 
     def run(self, data: dict, advantages: torch.Tensor, state, on_weights_changed: Callable[[], None],

@@ -95,7 +95,7 @@ def test_reference_against_hand_values_and_hf():
 def _hf_norm_grads(x, weight, dy, eps):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    hf = LlamaRMSNorm(x.shape[-1], eps=eps).to(weight.dtype)
+    hf = LlamaRMSNorm(x.shape[-1], eps=eps).to(weight.device, weight.dtype)
     hf.weight.data.copy_(weight)
     x = x.detach().requires_grad_(True)
     out = hf(x)

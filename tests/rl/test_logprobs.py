@@ -188,6 +188,19 @@ def test_a_padding_free_step_is_the_padded_step(tmp_path, loss_type):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_a_padding_free_step_with_recompute_is_the_padded_step(tmp_path):
+    """Activation checkpointing recomputes each layer inside backward: packed, as it ran."""
+    from tests.rl.test_trainer import make_trainer
+
+    steps = [make_trainer(tmp_path / str(p), max_steps=1, gradient_accumulation_steps=1, optim="sgd",
+                          padding_free=p, gradient_checkpointing=True) for p in (False, True)]
+    assert all(t.update.recompute for t in steps)
+    padded, packed = (t.step() for t in steps)
+    assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-5)
+    for (n, a), b in zip(steps[0].model.named_parameters(), steps[1].model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
 @pytest.mark.gpu
 def test_padding_free_on_the_gpu_in_bf16_agrees_with_padded_rows():
     """On CUDA in bf16 the packed rows run torch's varlen flash attention (where this torch has

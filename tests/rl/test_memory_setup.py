@@ -125,3 +125,16 @@ def test_a_budget_nothing_fits_is_refused_before_the_model_loads(tmp_path, monke
             processing_class=make_tokenizer(),
             engine_kwargs={"device": "cpu"},
         )
+
+
+def test_expandable_segments_only_on_cuda_and_never_over_the_users_setting(monkeypatch):
+    from tandem.rl.memory_setup import ALLOC_CONF, expandable_segments
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    assert expandable_segments(torch.device("cpu")) is None and not calls
+    monkeypatch.setenv(ALLOC_CONF, "expandable_segments:False")
+    assert expandable_segments(torch.device("cuda")) is None and not calls  # the user's choice
+    monkeypatch.delenv(ALLOC_CONF)
+    assert "expandable segments" in expandable_segments(torch.device("cuda"))
+    assert calls == ["expandable_segments:True"]
