@@ -1,5 +1,6 @@
 """Triton SiLU-and-multiply against the torch reference and the layer."""
 
+import functools
 import math
 
 import pytest
@@ -67,14 +68,15 @@ def test_silu_mul_forward_and_backward_match_hf(dtype, tol, shape, device):
         assert (got.float() - want.float()).abs().max().item() <= tol * scale
 
 
-def test_silu_mul_backward_hand_values():
+def test_silu_mul_backward_hand_values(device):
     """gate 0: silu'(0) = 1/2, silu(0) = 0; gate 2: silu = 2 s, silu' = s (1 + 2 (1 - s)), s = sigmoid(2)."""
     from tandem.kernels.activation import silu_mul_backward
 
     s = 1 / (1 + math.exp(-2.0))
-    dg, du = silu_mul_backward(torch.ones(1, 2), torch.tensor([[0.0, 2.0]]), torch.tensor([[3.0, 1.0]]))
-    torch.testing.assert_close(dg, torch.tensor([[1.5, s * (1 + 2 * (1 - s))]]))
-    torch.testing.assert_close(du, torch.tensor([[0.0, 2 * s]]))
+    t = functools.partial(torch.tensor, device=device)
+    dg, du = silu_mul_backward(torch.ones(1, 2, device=device), t([[0.0, 2.0]]), t([[3.0, 1.0]]))
+    torch.testing.assert_close(dg.cpu(), torch.tensor([[1.5, s * (1 + 2 * (1 - s))]]))
+    torch.testing.assert_close(du.cpu(), torch.tensor([[0.0, 2 * s]]))
 
 
 @pytest.mark.gpu

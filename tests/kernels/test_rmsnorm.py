@@ -146,7 +146,7 @@ def test_rms_norm_emits_autocast_dtype_and_takes_its_gradient(device):
     assert none is None and torch.equal(dx2, dx)
 
 
-def test_rms_norm_backward_hand_values():
+def test_rms_norm_backward_hand_values(device):
     """x = [3, 4], weight 1, eps 0: n = x / r with r = sqrt(12.5); d(sum n)/dx = (1 - n * mean(n)) / r."""
     from tandem.kernels.rmsnorm import rms_norm_backward
 
@@ -154,9 +154,9 @@ def test_rms_norm_backward_hand_values():
     r = 12.5**0.5
     n = x / r
     expected = (1 - n * n.mean()) / r
-    dx, dw = rms_norm_backward(torch.ones(1, 2), x, w, 0.0)
-    torch.testing.assert_close(dx, expected)
-    torch.testing.assert_close(dw, n[0])
+    dx, dw = rms_norm_backward(torch.ones(1, 2, device=device), x.to(device), w.to(device), 0.0)
+    torch.testing.assert_close(dx.cpu(), expected)
+    torch.testing.assert_close(dw.cpu(), n[0])
 
 
 @pytest.mark.gpu
