@@ -24,10 +24,10 @@ class TritonAttentionBackend:
 
     def __init__(self, fuse_decode: bool = False):
         # Decode steps: rotary, cache write and attention in one kernel (True). Off: on the H200 it
-        # differs from the two-kernel path in every case of its bit-equality test
-        # (tests/kernels/test_decode_attention.py), which passes only under the interpreter, where
-        # programs run one after another; the programs reading the new token's k/v from the cache
-        # need it written by another program first, and no barrier across programs exists.
+        # failed every case of its bit-equality test against the two-kernel path
+        # (tests/kernels/test_decode_attention.py; it passes under the interpreter). Why is not
+        # known yet (a rounding difference such as FMA contraction in the fused rotation, or a
+        # wrong result); until that is shown it is not the default.
         self.fuse_decode = fuse_decode
 
     def store_kvcache(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:

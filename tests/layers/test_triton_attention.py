@@ -71,7 +71,7 @@ def test_triton_backend_matches_torch_backend(num_heads, num_kv_heads, head_dim)
 
 
 @pytest.mark.parametrize("fuse_decode", [pytest.param(True, marks=pytest.mark.xfail(
-    torch.cuda.is_available(), strict=False, reason="the fused decode kernel races on the GPU")), False])
+    torch.cuda.is_available(), strict=False, reason="the fused decode kernel (off by default) failed its bit-equality test on the H200")), False])
 def test_triton_backend_with_rotary_matches_torch_backend(fuse_decode):
     """With the rotary embedding handed to the layer (as the decoder does), decode steps are one
     fused kernel (or, unfused, rotary + cache write, then attention): caches and outputs match
