@@ -338,30 +338,24 @@ class LLMEngine:
                 touched[seq.request_id] = state
 
     def _advance_grammars(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
-        """The in-flight step's constrained rows: their grammars take the sampled tokens now, in
-        one batch call (the rest of the step's read-back comes later, in drain)."""
+        """The in-flight step's constrained rows: their grammars take the sampled tokens now (the
+        rest of the step's read-back comes later, in drain)."""
         token_ids = sampled.get()[0]
-        seqs, tokens = [], []
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if smp:
                 row += 1
                 if seq.matcher is not None and seq.has_placeholder:
-                    seqs.append(seq)
-                    tokens.append(token_ids[row])
-        taken = self.worker.model_runner.fill_bitmask.consume([s.matcher for s in seqs], tokens)
-        for seq, ok in zip(seqs, taken):
-            self._grammar_took(seq, ok)
+                    self._advance_grammar(seq, token_ids[row])
         sampled.grammars_advanced = True
 
-    def _advance_grammar(self, seq: Sequence, token_id: int) -> None:
-        self._grammar_took(seq, seq.matcher.consume_token(token_id))
-
     @staticmethod
-    def _grammar_took(seq: Sequence, ok: bool) -> None:
-        """The sample's grammar has taken its new token; it ends when the grammar is complete and
-        can take nothing more (or, should a token break it, at once)."""
-        if not ok or seq.matcher.is_stopped():
+    def _advance_grammar(seq: Sequence, token_id: int) -> None:
+        """The sample's grammar takes its new token; it ends when the grammar is complete and
+        can take nothing more (or, should a token break it, at once). One by one: on the H200
+        host llguidance's `consume_token_par` made a 256-row structured step slower (6.27 against
+        4.89 ms on a 1.5B-shaped model), each token being a microsecond's work."""
+        if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
             seq.grammar_stop = ("stop", None)
 
     @staticmethod

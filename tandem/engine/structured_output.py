@@ -102,10 +102,10 @@ class StructuredOutputManager:
 
 
 class BitmaskFiller:
-    """The grammars' batch work of a step: the rows' matchers take their sampled tokens, then fill
-    the next bitmask on llguidance's thread pool (made at the first batch with several
-    constrained rows; it belongs to the model runner, not the process). The fill runs in Rust
-    with the GIL released, so `fill_async` lets the host's other work of the step go on."""
+    """Fills a step's bitmask: rows in parallel on llguidance's thread pool (made at the first
+    batch with several constrained rows; it belongs to the model runner, not the process). The
+    fill runs in Rust with the GIL released, so `fill_async` lets the host's other work of the
+    step go on meanwhile."""
 
     def __init__(self, vocab_size: int, pin: bool):
         self.words = (vocab_size + 31) // 32  # int32 words per row
@@ -113,21 +113,18 @@ class BitmaskFiller:
         self._executor = None
         self._thread = None  # the one thread that waits on the executor for `fill_async`
 
-    def _pool(self):
-        if self._executor is None:
-            from llguidance import LLExecutor
-
-            self._executor = LLExecutor()
-        return self._executor
-
     def __call__(self, matchers: list) -> torch.Tensor:
         """[R, ceil(V / 32)] int32 on the host: bit t of row r set where token t may come next."""
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32, pin_memory=self.pin)
         if len(matchers) == 1:
             matchers[0].unsafe_compute_mask_ptr(mask.data_ptr(), self.words * 4)
             return mask
-        self._pool().unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
-                                             mask.data_ptr(), self.words * 4, len(matchers))
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        self._executor.unsafe_compute_mask_ptr([(m, row) for row, m in enumerate(matchers)],
+                                               mask.data_ptr(), self.words * 4, len(matchers))
         return mask
 
     def fill_async(self, matchers: list) -> Future:
@@ -135,9 +132,3 @@ class BitmaskFiller:
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
         return self._thread.submit(self, matchers)
-
-    def consume(self, matchers: list, token_ids: list[int]) -> list[bool]:
-        """Each matcher takes its token; False where the token breaks its grammar. One by one:
-        on the H200 host llguidance's `consume_token_par` made a 256-row structured step slower
-        (6.27 against 4.89 ms on a 1.5B-shaped model), each token being a microsecond's work."""
-        return [m.consume_token(t) for m, t in zip(matchers, token_ids)]

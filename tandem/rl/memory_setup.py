@@ -6,6 +6,7 @@ and the recompute choice made from them, printed before the first step."""
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import replace
 
 import torch
@@ -39,8 +40,6 @@ def expandable_segments(device: torch.device) -> str | None:
     differently sized blocks a step, and fixed segments left a 7B run 11.5 GiB reserved but
     unusable at its first optimizer step. The engine maps its own memory outside the allocator,
     so sleep and wake are unaffected. Returns the line that says so, or None."""
-    import os
-
     if device.type != "cuda" or "expandable_segments" in os.environ.get(ALLOC_CONF, ""):
         return None
     torch.cuda.memory._set_allocator_settings("expandable_segments:True")
