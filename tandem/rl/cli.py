@@ -80,7 +80,7 @@ FIELD_HELP = {
     "vllm_gpu_memory_utilization": "auto (the memory plan sizes the KV cache) or the share of GPU "
     "memory the colocated engine may take",
     "optim_offload": "AdamW's state and step in host memory (--no-optim-offload: never)",
-    "vllm_enable_sleep_mode": "the engine sleeps while the trainer steps",
+    "vllm_enable_sleep_mode": "the engine sleeps while the trainer steps (releasing its weights and KV cache)",
     "engine_sleep_level": "1: free the KV cache; 2: also drop engine-only weight copies",
     "vllm_tensor_parallel_size": "GPUs the engine shards the model over",
     "vllm_max_model_length": "the engine's context length (default: prompt + completion)",
@@ -120,13 +120,16 @@ FIELD_HELP = {
 
 
 NONE_MEANS = {"gradient_checkpointing": "the trainer's memory plan decides",
-              "optim_offload": "the trainer's memory plan decides"}
+              "optim_offload": "the trainer's memory plan decides",
+              "vllm_enable_sleep_mode": "the trainer's memory plan decides"}
 
 
 def _default_text(name: str, default) -> str:
     """The default a run gets: the demo's where it differs (no --model: CPU and GPU sizes)."""
     if name not in DEMO_OVERRIDES:
-        return "" if default is None else f"(default: {default})"
+        if default is None:
+            return f"(default: {NONE_MEANS[name]})" if name in NONE_MEANS else ""
+        return f"(default: {default})"
     cpu, gpu = DEMO_OVERRIDES[name], GPU_DEMO_OVERRIDES[name]
     default = NONE_MEANS.get(name, default) if default is None else default
     if cpu == gpu == default:

@@ -152,7 +152,10 @@ class GRPOConfig:
     # "auto": the KV cache one round needs, within what the generate phase leaves beside the
     # trainer's weights and optimizer state (`tandem.rl.memory_plan`); a share in (0, 1]: vLLM's.
     vllm_gpu_memory_utilization: float | str = "auto"
-    vllm_enable_sleep_mode: bool = True
+    # None: the memory plan decides: the engine stays awake through training where its weights and
+    # KV cache fit beside the train phase (no release and re-map each step), else it sleeps at
+    # engine_sleep_level; True / False force it (TRL's field).
+    vllm_enable_sleep_mode: bool | None = None
     engine_sleep_level: int = 2  # 1: free KV cache only; 2: also drop engine-only weight copies
     vllm_tensor_parallel_size: int = 1  # only 1 colocated (see _check_engine)
     vllm_max_model_length: int | None = None

@@ -4,12 +4,14 @@ each phase of a colocated step holds, and the choices that make it fit, made bef
 A step has three peaks. Generate: the trainer's weights and optimizer state stay resident while
 the engine's weights, KV cache, activations and CUDA graphs are awake (the gradients were freed by
 `zero_grad`). Train: the engine sleeps (level 1 and 2 both release its weights and KV cache on the
-device; level 1 keeps a copy in pinned host memory), and the gradients, one micro-batch's
+device; level 1 keeps a copy in pinned host memory) or stays awake, and the gradients, one micro-batch's
 activations, backward's workspace and the log-prob head's come on top. Optimizer step: the
 gradients and the step's own temporaries.
 
-Choices, least intrusive first, where the config leaves them open: keep activations or recompute
-them (`gradient_checkpointing=None`); the optimizer state on the device or in host memory
+Choices, fastest first, where the config leaves them open: keep activations or recompute them
+(`gradient_checkpointing=None`); the engine awake through training or asleep
+(`vllm_enable_sleep_mode=None`: awake spares each step the release and re-mapping of its weights
+and KV cache, where they fit beside the train phase); the optimizer state on the device or in host memory
 (`optim_offload=None`); the KV cache sized to what one round needs and what the generate phase
 leaves (`vllm_gpu_memory_utilization="auto"`). Choices that change the arithmetic (an 8-bit or
 4-bit optimizer, a smaller micro-batch, LoRA) are the user's: a plan that does not fit is refused
@@ -23,7 +25,7 @@ The device's capacity is what it can hand out when the trainer starts (`free_mem
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -52,6 +54,7 @@ class Workload:
     engine_len: int = 0  # the engine's max_model_len (0: row_len): its cache holds one at least
     colocated: bool = True
     sleep_level: int | None = 2  # None: the engine stays awake while training
+    sleep_auto: bool = False  # vllm_enable_sleep_mode=None: the plan picks sleep_level or None
     kv: float | str = "auto"  # vllm_gpu_memory_utilization
     kv_bytes: int | None = None  # the engine's KV cache fixed by the caller (engine kwargs) ...
     kv_blocks: int | None = None  # ... in bytes or in blocks
@@ -116,7 +119,8 @@ class Workload:
             peft=peft,
             padding_free=a.padding_free,
             colocated=a.vllm_mode == "colocate",
-            sleep_level=a.engine_sleep_level if a.vllm_enable_sleep_mode else None,
+            sleep_level=a.engine_sleep_level if a.vllm_enable_sleep_mode is not False else None,
+            sleep_auto=a.vllm_enable_sleep_mode is None and a.vllm_mode == "colocate",
             kv=kv,
             kv_bytes=kv_bytes,
             kv_blocks=given.get("num_gpu_blocks_override"),
@@ -265,10 +269,15 @@ def plan_memory(
     offload = (
         [False, True] if work.optim_offload is None and can_offload else [bool(work.optim_offload)]
     )
+    auto = work.sleep_auto and work.sleep_level is not None
     plan = None
     for off in offload:
         for rc in recompute:
             plan = _plan(sizes, work, device, rc, off, activations)
+            if auto:  # awake only where the KV cache need not shrink for it
+                awake = _plan(sizes, replace(work, sleep_level=None), device, rc, off, activations)
+                if awake.fits and awake.kv_cache_bytes >= plan.kv_cache_bytes:
+                    return awake
             if plan.fits:
                 return plan
     return plan  # type: ignore[return-value]
@@ -465,6 +474,13 @@ def _reasons(plan: MemoryPlan, kept: int, redone: int) -> list[str]:
             )
         else:
             out.append(f"KV cache {kv} (vllm_gpu_memory_utilization={w.kv})")
+    if w.colocated:
+        if w.sleep_level is None:
+            why = "it fits beside the train phase" if w.sleep_auto else "vllm_enable_sleep_mode=False"
+            out.append(f"engine awake through training ({why})")
+        else:
+            why = "awake it does not fit beside the train phase" if w.sleep_auto else "vllm_enable_sleep_mode=True"
+            out.append(f"engine sleeps at level {w.sleep_level} while training ({why})")
     name = ("generate", "train", "optimizer step")[plan.totals().index(plan.peak)]
     verdict = "fits" if plan.fits else "does NOT fit"
     out.append(f"predicted peak {size(plan.peak)} ({name}) of {size(usable)} usable: {verdict}")

@@ -75,7 +75,8 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
         freed = plan.rows["engine weights"][0] + plan.kv_cache_bytes
         if w.sleep_level is None:
             lines.append(
-                "  sleep mode off: the engine's weights and KV cache stay through training"
+                f"  the engine stays awake: its weights and KV cache, {freed / scale:.2f} {unit}, "
+                "stay through training"
             )
         else:
             copy = (

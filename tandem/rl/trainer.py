@@ -135,7 +135,7 @@ class GRPOTrainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self.generator = ServerGenerator(client, self.model, backend, torch.bfloat16 if self.use_bf16 else None)
         else:
-            sleep_level = args.engine_sleep_level if args.vllm_enable_sleep_mode else None
+            sleep_level = self.memory_plan.work.sleep_level  # the plan's (vllm_enable_sleep_mode)
             check = None if peft_config is None else functools.partial(lora.check_engine_has_adapter, self.model)
             self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights, check)
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
@@ -156,6 +156,8 @@ class GRPOTrainer:
         self.update = PolicyUpdate(self.model, self.ref_model, self.optimizer, self.scheduler, self.strategy,
                                    self.dist, args, self.device, self.use_bf16, self.memory_plan, scorer)
         self.memory_plan = self.update.memory_plan  # with the activations measured on the model
+        if args.vllm_mode == "colocate":  # measured, the plan may put the engine to sleep after all
+            self.generator.sleep_level = self.memory_plan.work.sleep_level
         if self.dist.is_main:  # on stdout, whatever the logging level: what the run will hold, and why
             print(self.memory_plan.format(f"memory plan ({self._model_name(model)})"), flush=True)
         self.peak_memory = PeakMemory(self.device)
@@ -250,7 +252,7 @@ class GRPOTrainer:
         return {
             "dtype": "bfloat16" if self.use_bf16 else "float32",
             "max_model_len": a.vllm_max_model_length or (a.max_prompt_length or 512) + a.max_completion_length,
-            "enable_sleep_mode": a.vllm_enable_sleep_mode, "seed": a.seed,
+            "enable_sleep_mode": a.vllm_enable_sleep_mode is not False, "seed": a.seed,
             "logprobs_mode": "processed_logprobs", "max_num_seqs": max(8, a.generation_batch_size),
             "batch_invariant": a.batch_invariant,
             **engine_kwargs,
@@ -262,8 +264,8 @@ class GRPOTrainer:
         a = self.args
         kv = memory_setup.engine_kv_kwargs(self.memory_plan, a, engine_kwargs)
         llm = LLM(self.model, tokenizer=self.tokenizer, **kv, **self._engine_settings(engine_kwargs))
-        if a.vllm_enable_sleep_mode:
-            llm.sleep(a.engine_sleep_level)
+        if self.memory_plan.work.sleep_level is not None:
+            llm.sleep(self.memory_plan.work.sleep_level)
         return llm
 
     # -- the loop ------------------------------------------------------------------------------------

@@ -67,12 +67,15 @@ class PolicyUpdate:
         needs_old = a.num_iterations > 1 or a.steps_per_generation > a.gradient_accumulation_steps
         old_logp = self._no_grad_logps(self.model, data, micro) if needs_old else None
         ref_logp = self._no_grad_logps(self.ref_model, data, micro) if self.ref_model is not None else None
-        sums: dict[str, float] = {}  # per micro-batch
-        step_losses = step_norms = 0.0  # summed over steps; step_losses over this rank's micro-batches
+        # Summed on the device and read once a step: a read-back per micro-batch would empty the
+        # device's queue each time, and the host would then launch the next forward with it idle.
+        sums: dict[str, torch.Tensor | float] = {}  # per micro-batch
+        step_losses = torch.zeros((), device=self.device)  # this rank's micro-batches' shares
+        step_norms = 0.0  # summed over steps
         count = num_steps = 0
         for _ in range(a.num_iterations):
             for group in split.steps:
-                first_bad = None
+                finite = []  # per micro-batch: (loss, logprobs) finite, on the device
                 for s in group:
                     logp = self.logps(self.model, data, rows=s)
                     loss, m = grpo_loss(
@@ -82,15 +85,14 @@ class PolicyUpdate:
                         ref_logp=None if ref_logp is None else ref_logp[s], row_scale=scale[s], **self.loss_kwargs,
                     )
                     loss.backward()
-                    step_losses += float(loss.detach())  # this micro-batch's share of the step's loss
+                    step_losses += loss.detach()  # this micro-batch's share of the step's loss
                     if budget:  # the share of the budget this micro-batch's real tokens take
                         m["train/micro_batch_fill"] = fill[s.start]
                     for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    if first_bad is None and not is_finite(loss.detach()):
-                        what = "logprobs" if not torch.isfinite(logp.detach()).all() else "loss"
-                        first_bad = f"the trainer's {what} of {split.describe(s)}"
+                        sums[k] = sums.get(k, 0.0) + (v.detach().float() if torch.is_tensor(v) else float(v))
+                    finite.append(torch.stack([torch.isfinite(loss.detach()), torch.isfinite(logp.detach()).all()]))
                     count += 1
+                first_bad = _first_nonfinite(torch.stack(finite).tolist(), group, split)
                 self.strategy.reduce_grads(self.model)
                 # The norm is global (after the all-reduce / over every shard); inf max_norm only
                 # measures it. A NaN norm must not reach clipping: it would scale every gradient by NaN.
@@ -111,7 +113,7 @@ class PolicyUpdate:
                     if self.scorer is not None:
                         self.scorer.mark_stale()
                 self.optimizer.zero_grad(set_to_none=True)
-        totals = self.dist.sum_dicts({**sums, "_count": float(count), "_loss": step_losses,
+        totals = self.dist.sum_dicts({**_to_host(sums), "_count": float(count), "_loss": float(step_losses),
                                       "_tokens": float(sum(split.tokens))})
         count, loss_sum, tokens = totals.pop("_count"), totals.pop("_loss"), totals.pop("_tokens")
         metrics = {k: v / max(1, count) for k, v in totals.items()}  # means over every rank's micro-batches
@@ -183,3 +185,18 @@ class PolicyUpdate:
                                     head_dtype=torch.bfloat16 if self.use_bf16 else None,
                                     sampling=self.sampling_filter, padding_free=a.padding_free)
         return logp if exact is None else logp + (exact - logp).detach()
+
+
+def _first_nonfinite(finite: list[list[bool]], group: list[slice], split: MicroBatches) -> str | None:
+    """Which of a step's micro-batches first had a non-finite loss, and whether its logprobs were."""
+    for (loss_ok, logp_ok), s in zip(finite, group):
+        if not loss_ok:
+            return f"the trainer's {'loss' if logp_ok else 'logprobs'} of {split.describe(s)}"
+    return None
+
+
+def _to_host(sums: dict[str, torch.Tensor | float]) -> dict[str, float]:
+    """The device-side sums as floats, in one read-back."""
+    on_device = [k for k, v in sums.items() if torch.is_tensor(v)]
+    values = torch.stack([sums[k] for k in on_device]).tolist() if on_device else []
+    return {**sums, **dict(zip(on_device, values))}

@@ -15,7 +15,9 @@ from tandem.rl.memory_plan import BUDGET_ENV, GIB, MemoryPlanError, plan_memory
 from tandem.rl.offload import HostOffloadAdamW
 from tests.rl.test_trainer import make_trainer, target_share
 
-OPEN = dict(max_steps=2, gradient_checkpointing=None, vllm_gpu_memory_utilization="auto")
+# the engine sleeps while training: these tests make the plan recompute, offload or shrink the cache
+OPEN = dict(max_steps=2, gradient_checkpointing=None, vllm_gpu_memory_utilization="auto",
+            vllm_enable_sleep_mode=True)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,27 @@ def test_a_tighter_budget_offloads_adamw_with_the_same_result(tmp_path, monkeypa
     same_run(tight, roomy, atol=1e-5)  # torch's fused CPU AdamW kernel against its for-loop
 
 
+def test_the_plan_keeps_the_engine_awake_where_it_fits_and_puts_it_to_sleep_where_not(
+        tmp_path, monkeypatch, roomy):
+    """vllm_enable_sleep_mode=None: awake through training while the engine's weights and KV cache
+    fit beside the train phase (no release and re-map each step), asleep once they do not; the
+    same run either way."""
+    auto = {**OPEN, "vllm_enable_sleep_mode": None}
+    awake = make_trainer(tmp_path / "awake", **auto)
+    assert awake.memory_plan.work.sleep_level is None and awake.generator.sleep_level is None
+    assert "engine awake through training (it fits beside the train phase)" in awake.memory_plan.why
+    assert not awake.memory_plan.recompute and not awake.llm.llm_engine.is_sleeping
+    same_run(awake, roomy)
+    assert not awake.llm.llm_engine.is_sleeping  # it generated and trained twice without sleeping
+    plan = roomy[0]  # asleep, nothing recomputed: the awake plan needs the engine's bytes on top
+    budget_between(monkeypatch, plan.peak, awake.memory_plan.peak)
+    asleep = make_trainer(tmp_path / "asleep", **auto)
+    assert asleep.memory_plan.work.sleep_level == 2 and asleep.generator.sleep_level == 2
+    assert not asleep.memory_plan.recompute and asleep.memory_plan.kv_cache_bytes == plan.kv_cache_bytes
+    assert any("awake it does not fit" in why for why in asleep.memory_plan.why)
+    same_run(asleep, roomy)
+
+
 def test_a_budget_short_of_a_full_round_shrinks_the_kv_cache(tmp_path, monkeypatch, roomy):
     """The engine awake while training (no sleep mode): its KV cache shares the training phase."""
     plan = roomy[0]
@@ -82,7 +105,7 @@ def test_a_budget_short_of_a_full_round_shrinks_the_kv_cache(tmp_path, monkeypat
     assert lean.rows["KV cache"][1] == lean.kv_cache_bytes == plan.kv_cache_bytes
     block = lean.kv_block_bytes
     budget_between(monkeypatch, lean.peak - 40 * block, lean.peak - 10 * block)
-    tight = make_trainer(tmp_path, **OPEN, vllm_enable_sleep_mode=False)
+    tight = make_trainer(tmp_path, **{**OPEN, "vllm_enable_sleep_mode": False})
     kv = tight.memory_plan.kv_cache_bytes
     assert 0 < kv < plan.kv_cache_bytes and "wait their turn" in " ".join(tight.memory_plan.why)
     assert tight.llm.llm_engine.worker.num_blocks * block == kv  # the engine took the plan's size

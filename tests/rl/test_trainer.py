@@ -31,8 +31,9 @@ def make_trainer(tmp_path, **overrides):
                        processing_class=tok, engine_kwargs={"device": "cpu"})
 
 
-def test_tiny_model_learns_from_engine_rollouts(tmp_path):
-    trainer = make_trainer(tmp_path)
+@pytest.mark.parametrize("sleep_mode", [None, True])  # the plan's choice (awake here), forced sleep
+def test_tiny_model_learns_from_engine_rollouts(tmp_path, sleep_mode):
+    trainer = make_trainer(tmp_path, vllm_enable_sleep_mode=sleep_mode)
     rewards = []
     for _ in range(12):
         rewards.append(trainer.step()["reward"])
@@ -40,7 +41,9 @@ def test_tiny_model_learns_from_engine_rollouts(tmp_path):
     assert last > first + 0.25 and last > 0.4, rewards
     # one weight sync per optimizer-step round, each visible as a new engine weights version
     assert trainer.llm.llm_engine.weights_version == trainer.generator.weight_sync.num_syncs
-    assert trainer.llm.llm_engine.is_sleeping  # slept between rollouts
+    # slept between rollouts, or (the plan's choice: everything fits) stayed awake throughout
+    assert trainer.llm.llm_engine.is_sleeping == bool(sleep_mode)
+    assert trainer.generator.sleep_level == (2 if sleep_mode else None)
     bm = trainer.llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
