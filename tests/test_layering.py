@@ -28,8 +28,9 @@ PUBLIC = {
     ("bench", "tandem.rl.memory_setup", frozenset({"plan_before_loading"})),
     ("bench", "tandem.rl.memory_table", frozenset({"format_measured"})),
     ("rl", "tandem.bench.report", frozenset({"pyplot", "save_figure"})),  # plotting helpers
-    # bench train_kernels times the trainer's fused ops and the patched decoder layer against HF's
+    # bench train_kernels times the trainer's fused ops and the patched decoder layer against HF's,
     ("bench", "tandem.rl.fused_layers", frozenset({"patch_model", "rms_norm", "rotary_qk", "silu_mul"})),
+    ("bench", "tandem.rl.logprobs", frozenset({"head_logprobs"})),  # and the fused log-prob head
 }
 
 

@@ -1,7 +1,8 @@
 """Micro-benchmark of the trainer's fused kernels (`tandem.rl.fused_layers`) against HF's ops, one GPU.
 
     python -m tandem.bench.train_kernels [--rows 32 --seq 384 --hidden 1536 --intermediate 8960
-        --heads 12 --kv-heads 2 --head-dim 128 --reps 20 --warmup 5]
+        --heads 12 --kv-heads 2 --head-dim 128 --reps 20 --warmup 5] [--head --completion 256
+        --vocab 151936]
 
 Defaults are the grpo-1.5b train phase's micro-batch (Qwen2.5-1.5B, 32 rows x 384 tokens). Every
 row times forward + backward under bf16 autocast over fp32 weights, as the trainer runs them, with
@@ -10,7 +11,11 @@ the casts autocast adds on HF's side (the fused side emits bf16 itself):
 - swiglu: bf16 gate, up [T, I] -> silu(gate) * up;
 - rotary: bf16 q/k from the projections, fp32 cos/sin -> rotated q, k -> the attention's bf16 cast;
 - layer: one whole Qwen2 decoder layer (SDPA, causal), patched vs unpatched, and the bytes it
-  saves for backward.
+  saves for backward;
+- head (with --head): the fused log-prob head (`tandem.rl.logprobs.head_logprobs`) over
+  --rows x --completion scored tokens (grpo-1.5b's micro-batch: 32 x 256) and a --vocab
+  vocabulary, bf16 GEMMs over fp32 weights: its torch elementwise path (the HF column) vs its
+  Triton kernels, around the same cuBLAS GEMMs.
 Times are medians of --reps CUDA-event timings after --warmup runs; GB/s is the fused kernels'
 own traffic (a lower bound of HF's). Prints a table, then one line of JSON.
 """
@@ -28,6 +33,7 @@ import torch
 
 from tandem.bench.roofline import device_ceilings
 from tandem.rl.fused_layers import patch_model, rms_norm, rotary_qk, silu_mul
+from tandem.rl.logprobs import head_logprobs
 
 BF16 = torch.bfloat16
 
@@ -189,6 +195,35 @@ def bench_layer(a, dev) -> dict:
     return row
 
 
+def bench_head(a, dev) -> dict:
+    N, D, V = a.rows * a.completion, a.hidden, a.vocab
+    gen = torch.Generator(device=dev).manual_seed(0)
+    h_ND = torch.randn(N, D, generator=gen, device=dev, requires_grad=True)
+    w_VD = (torch.randn(V, D, generator=gen, device=dev) / D**0.5).requires_grad_(True)
+    target_N = torch.randint(0, V, (N,), generator=gen, device=dev)
+    grad_N = torch.randn(N, generator=gen, device=dev)
+
+    def step(kernels: bool):
+        def run():
+            h_ND.grad = w_VD.grad = None
+            lp_N = head_logprobs(h_ND, w_VD, target_N, dtype=BF16, kernels=kernels)
+            lp_N.backward(grad_N)
+        return run
+
+    cuda = dev.type == "cuda"
+    row = {"hf_ms": time_ms(step(False), a.warmup, a.reps, cuda),
+           "fused_ms": time_ms(step(True), a.warmup, a.reps, cuda)}
+    row["speedup"] = row["hf_ms"] / row["fused_ms"]
+    results = []
+    for kernels in (True, False):
+        step(kernels)()
+        results.append([h_ND.grad.clone(), w_VD.grad.clone()])
+    row["max_rel_diff"] = max(((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item()
+                              for x, y in zip(*results))
+    row["tokens"], row["vocab"] = N, V
+    return row
+
+
 def _saved_bytes(forward) -> int:
     """Bytes autograd keeps for backward in one forward (storage counted once, parameters left out)."""
     seen: dict[tuple[int, int], int] = {}
@@ -217,18 +252,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--skip-layer", action="store_true", help="only the single ops")
+    p.add_argument("--head", action="store_true", help="also the fused log-prob head: torch vs kernels")
+    p.add_argument("--completion", type=int, default=256, help="scored tokens a row, for --head")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary, for --head")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for the smoke test (TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("tandem.bench.train_kernels needs a CUDA GPU")
     results: dict = {}
-    for name, fn in (("ops", bench_ops), ("layer", bench_layer)):
-        if name == "layer" and a.skip_layer:
+    for name, fn in (("ops", bench_ops), ("layer", bench_layer), ("head", bench_head)):
+        if (name == "layer" and a.skip_layer) or (name == "head" and not a.head):
             continue
         try:
             got = fn(a, dev)
-            results.update(got if name == "ops" else {"layer": got})
+            results.update(got if name == "ops" else {name: got})
         except Exception as e:  # noqa: BLE001 - one failing part still reports the others
             results[name + "_error"] = f"{type(e).__name__}: {e}"
         if dev.type == "cuda":

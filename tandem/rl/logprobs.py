@@ -9,7 +9,10 @@ Two rules keep the two sides as equal as bf16 allows (docs/rl-numerics.md has th
   set (`SamplingFilter`), not over the whole vocabulary.
 
 The head is fused with the selective log-softmax and chunked over tokens, so the [tokens, vocab]
-logits never exist at once, in the forward or the backward pass.
+logits never exist at once, in the forward or the backward pass. The GEMMs are cuBLAS's; on CUDA
+the elementwise work on a chunk's fp32 logits is one Triton pass each way
+(`tandem.kernels.head_logprobs`: the logsumexp and the target's logprob; the logits' gradient,
+written in the GEMM's dtype), where torch takes five.
 
 Shape suffixes: N = tokens scored, D = hidden, V = vocabulary, C = a chunk of N, B = rows, L = row
 length, T = completion tokens.
@@ -18,10 +21,13 @@ length, T = completion tokens.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
 
+from tandem import batch_invariant
 from tandem.layers.linear import addmm_fp32_, linear_fp32_out
 from tandem.layers.sampler import apply_min_p, apply_top_k_top_p
 from tandem.rl.packing import ATTENTION, pack_rows, register
@@ -66,16 +72,22 @@ class _FusedHeadLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, target_N, temperature, dtype, filt, chunk):  # type: ignore[override]
+    def forward(ctx, hidden_ND, weight_VD, target_N, temperature, dtype, filt, chunk, kernels):  # type: ignore[override]
         h_ND, w_VD = hidden_ND.to(dtype), weight_VD.to(dtype)
         out_N = torch.empty(target_N.shape, dtype=torch.float32, device=hidden_ND.device)
         lse_N = torch.empty_like(out_N)
         for s in range(0, h_ND.shape[0], chunk):
-            x_CV = _chunk_logits(h_ND[s : s + chunk], w_VD, target_N[s : s + chunk], temperature, filt)
-            lse_N[s : s + chunk] = torch.logsumexp(x_CV, dim=-1)
-            out_N[s : s + chunk] = x_CV.gather(1, target_N[s : s + chunk, None]).squeeze(1) - lse_N[s : s + chunk]
+            e = s + chunk
+            x_CV = _chunk_logits(h_ND[s:e], w_VD, target_N[s:e], temperature, filt)
+            if kernels:  # one pass over the chunk's logits
+                from tandem.kernels.head_logprobs import lse_logprobs
+
+                lse_N[s:e], out_N[s:e] = lse_logprobs(x_CV, target_N[s:e])
+            else:
+                lse_N[s:e] = torch.logsumexp(x_CV, dim=-1)
+                out_N[s:e] = x_CV.gather(1, target_N[s:e, None]).squeeze(1) - lse_N[s:e]
         ctx.save_for_backward(h_ND, weight_VD, target_N, lse_N)
-        ctx.args = (temperature, dtype, filt, chunk, hidden_ND.dtype)
+        ctx.args = (temperature, dtype, filt, chunk, hidden_ND.dtype, kernels)
         return out_N
 
     @staticmethod
@@ -87,24 +99,34 @@ class _FusedHeadLogProbs(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_N):
         h_ND, weight_VD, target_N, lse_N = ctx.saved_tensors
-        temperature, dtype, filt, chunk, hidden_dtype = ctx.args
+        temperature, dtype, filt, chunk, hidden_dtype, kernels = ctx.args
         w_VD = weight_VD.to(dtype)
         grad_h = torch.empty(h_ND.shape, dtype=hidden_dtype, device=h_ND.device)
         grad_w = torch.zeros(weight_VD.shape, dtype=torch.float32, device=h_ND.device)
         for s in range(0, h_ND.shape[0], chunk):
             e = s + chunk
             x_CV = _chunk_logits(h_ND[s:e], w_VD, target_N[s:e], temperature, filt)
-            g_C = grad_N[s:e].float()
-            # in place over the chunk's own logits: p_j = exp(x_j - lse), then -g p_j (0 where
-            # dropped), g added at the target, / T
-            g_CV = x_CV.sub_(lse_N[s:e, None]).exp_().mul_(-g_C[:, None])
-            g_CV.scatter_add_(1, target_N[s:e, None], g_C[:, None])
-            if temperature != 1.0:
-                g_CV = g_CV.div_(temperature)
-            g_CV = g_CV.to(dtype)
+            g_CV = _logits_grad(x_CV, lse_N[s:e], grad_N[s:e].float(), target_N[s:e], temperature,
+                                dtype, kernels)
             grad_h[s:e] = (g_CV @ w_VD).to(hidden_dtype)
             addmm_fp32_(grad_w, g_CV.t(), h_ND[s:e])
-        return grad_h, grad_w.to(weight_VD.dtype), None, None, None, None, None
+        return grad_h, grad_w.to(weight_VD.dtype), None, None, None, None, None, None
+
+
+def _logits_grad(x_CV, lse_C, g_C, target_C, temperature, dtype, kernels: bool) -> torch.Tensor:
+    """d(g . logp) / d(the GEMM's logits) = (1[j=t] - p_j) g / T in `dtype`, made from the chunk's
+    logits x = logits / T (which it consumes)."""
+    if kernels:  # one read of x, one write in `dtype` over x's storage
+        from tandem.kernels.head_logprobs import logprob_grad_
+
+        return logprob_grad_(x_CV, lse_C, g_C, target_C, temperature, dtype)
+    # in place over the chunk's own logits: p_j = exp(x_j - lse), then -g p_j (0 where dropped),
+    # g added at the target, / T
+    g_CV = x_CV.sub_(lse_C[:, None]).exp_().mul_(-g_C[:, None])
+    g_CV.scatter_add_(1, target_C[:, None], g_C[:, None])
+    if temperature != 1.0:
+        g_CV = g_CV.div_(temperature)
+    return g_CV.to(dtype)
 
 
 def _chunk_logits(h_CD, w_VD, target_C, temperature, filt: SamplingFilter | None) -> torch.Tensor:
@@ -127,16 +149,32 @@ def head_logprobs(
     dtype: torch.dtype | None = None,
     sampling: SamplingFilter | None = None,
     chunk_size: int | None = None,
+    kernels: bool | None = None,
 ) -> torch.Tensor:
     """log p(target) under the (filtered) softmax of hidden @ weight.T / temperature, in fp32;
-    extra memory O(chunk_size * V) in both passes."""
+    extra memory O(chunk_size * V) in both passes. `kernels`: each chunk's elementwise work in one
+    Triton pass each way (`tandem.kernels.head_logprobs`) instead of torch's several; None is on
+    for CUDA; True on a CPU needs TRITON_INTERPRET=1 (tests)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     dtype = dtype or hidden_ND.dtype
     chunk = chunk_size or head_chunk_rows(weight_VD.shape[0])
+    kernels = _use_kernels(kernels, hidden_ND.device)
     with torch.autocast(hidden_ND.device.type, enabled=False):
         return _FusedHeadLogProbs.apply(hidden_ND, weight_VD, target_N.long(), float(temperature),
-                                        dtype, sampling, chunk)
+                                        dtype, sampling, chunk, kernels)
+
+
+def _use_kernels(kernels: bool | None, device: torch.device) -> bool:
+    """Batch-invariant mode keeps the torch ops (its arithmetic is fixed, whatever is asked)."""
+    if batch_invariant.is_enabled():
+        return False
+    if kernels is None:
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    if kernels and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernels=True runs Triton kernels: it needs a CUDA device (got "
+                         f"{device.type!r}), or TRITON_INTERPRET=1 on the CPU (slow; for tests)")
+    return kernels
 
 
 def completion_logps(

@@ -24,3 +24,12 @@ def test_smoke_on_cpu(capsys):
     for r in results.values():
         assert r["hf_ms"] > 0 and r["fused_ms"] > 0
     assert results["layer"]["max_rel_grad_diff"] < 0.1  # bf16 autocast in the interpreter: loose
+
+
+def test_head_smoke_on_cpu(capsys):
+    assert train_kernels.main(["--device", "cpu", "--rows", "2", "--completion", "5", "--hidden", "48",
+                               "--vocab", "1000", "--head", "--skip-layer", "--reps", "1", "--warmup", "0"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"]
+    head = results["head"]
+    assert head["hf_ms"] > 0 and head["fused_ms"] > 0 and head["tokens"] == 10
+    assert head["max_rel_diff"] < 0.05  # bf16 logit gradients, truncated in the interpreter
