@@ -30,6 +30,7 @@ PUBLIC = {
     ("rl", "tandem.bench.report", frozenset({"pyplot", "save_figure"})),  # plotting helpers
     # bench train_kernels times the trainer's fused ops and the patched decoder layer against HF's
     ("bench", "tandem.rl.fused_layers", frozenset({"patch_model", "rms_norm", "rotary_qk", "silu_mul"})),
+    ("bench", "tandem.rl.grad_accum_linear", frozenset({"patch_model"})),
 }
 
 
