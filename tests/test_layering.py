@@ -31,6 +31,7 @@ PUBLIC = {
     # bench train_kernels times the trainer's fused ops and the patched decoder layer against HF's,
     ("bench", "tandem.rl.fused_layers", frozenset({"patch_model", "rms_norm", "rotary_qk", "silu_mul"})),
     ("bench", "tandem.rl.logprobs", frozenset({"head_logprobs"})),  # and the fused log-prob head
+    ("bench", "tandem.rl.grad_accum_linear", frozenset({"patch_model"})),
 }
 
 

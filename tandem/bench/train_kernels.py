@@ -11,7 +11,9 @@ the casts autocast adds on HF's side (the fused side emits bf16 itself):
 - swiglu: bf16 gate, up [T, I] -> silu(gate) * up;
 - rotary: bf16 q/k from the projections, fp32 cos/sin -> rotated q, k -> the attention's bf16 cast;
 - layer: one whole Qwen2 decoder layer (SDPA, causal), patched vs unpatched, and the bytes it
-  saves for backward;
+  saves for backward; `fused_linear` adds the fused weight-gradient accumulation of its Linears
+  (`tandem.rl.grad_accum_linear`). The layer's weight gradients accumulate over the reps, as over
+  the micro-batches of an optimizer step.
 - head (with --head): the fused log-prob head (`tandem.rl.logprobs.head_logprobs`) over
   --rows x --completion scored tokens (grpo-1.5b's micro-batch: 32 x 256) and a --vocab
   vocabulary, bf16 GEMMs over fp32 weights: its torch elementwise path (the HF column) vs its
@@ -34,6 +36,7 @@ import torch
 from tandem.bench.roofline import device_ceilings
 from tandem.rl.fused_layers import patch_model, rms_norm, rotary_qk, silu_mul
 from tandem.rl.logprobs import head_logprobs
+from tandem.rl.grad_accum_linear import patch_model as patch_linears
 
 BF16 = torch.bfloat16
 
@@ -65,9 +68,12 @@ def _autocast(device: torch.device):
     return torch.autocast(device.type, dtype=BF16, cache_enabled=False)
 
 
-def _fwd_bwd(forward: Callable[[], list[torch.Tensor]], grads: list[torch.Tensor], leaves: list[torch.Tensor]):
+def _fwd_bwd(forward: Callable[[], list[torch.Tensor]], grads: list[torch.Tensor], leaves: list[torch.Tensor],
+             accumulate: bool = False):
+    """fwd + bwd under autocast; with `accumulate` the gradients of leaves[1:] (the weights) are
+    kept and summed into, as over an optimizer step's micro-batches."""
     def run():
-        for t in leaves:
+        for t in leaves[:1] if accumulate else leaves:
             t.grad = None
         with _autocast(leaves[0].device):
             outs = forward()
@@ -163,6 +169,8 @@ def bench_layer(a, dev) -> dict:
     hf_model = Qwen2ForCausalLM(cfg).to(dev).train()
     fused_model = copy.deepcopy(hf_model)
     patch_model(fused_model)
+    linear_model = copy.deepcopy(fused_model)
+    patch_linears(linear_model)
     x = torch.randn(a.rows, a.seq, a.hidden, device=dev, requires_grad=True)
     pos = torch.arange(a.seq, device=dev).expand(a.rows, a.seq)
     cos, sin = hf_model.model.rotary_emb(x, pos)
@@ -177,21 +185,21 @@ def bench_layer(a, dev) -> dict:
         run.device = dev
         return run
 
-    leaves = [x, *hf_model.model.layers[0].parameters()]
+    models = {"hf": hf_model, "fused": fused_model, "fused_linear": linear_model}
+    leaves = {name: [x, *model.model.layers[0].parameters()] for name, model in models.items()}
     row = {}
-    for name, model in (("hf", hf_model), ("fused", fused_model)):
-        params = [x, *model.model.layers[0].parameters()]
-        row[f"{name}_ms"] = time_ms(_fwd_bwd(forward(model), grad, params), a.warmup, a.reps, dev.type == "cuda")
+    for name, model in models.items():
+        run = _fwd_bwd(forward(model), grad, leaves[name], accumulate=True)
+        row[f"{name}_ms"] = time_ms(run, a.warmup, a.reps, dev.type == "cuda")
         row[f"{name}_saved_mib"] = _saved_bytes(forward(model)) / 2**20
     row["speedup"] = row["hf_ms"] / row["fused_ms"]
-    hf_run = _fwd_bwd(forward(hf_model), grad, leaves)
-    fused_leaves = [x, *fused_model.model.layers[0].parameters()]
-    fused_run = _fwd_bwd(forward(fused_model), grad, fused_leaves)
-    hf_run()
-    hf_grads = [t.grad.float().clone() for t in leaves]
-    fused_run()
-    row["max_rel_grad_diff"] = max(((f.grad.float() - h).norm() / h.norm().clamp(min=1e-30)).item()
-                                   for f, h in zip(fused_leaves, hf_grads))
+    row["fused_linear_speedup"] = row["hf_ms"] / row["fused_linear_ms"]
+    grads = {}
+    for name, model in models.items():  # one fwd + bwd from zero gradients
+        _fwd_bwd(forward(model), grad, leaves[name])()
+        grads[name] = [t.grad.float().clone() for t in leaves[name]]
+    for name, key in (("fused", "max_rel_grad_diff"), ("fused_linear", "fused_linear_max_rel_grad_diff")):
+        row[key] = max(((f - h).norm() / h.norm().clamp(min=1e-30)).item() for f, h in zip(grads[name], grads["hf"]))
     return row
 
 
@@ -285,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(results.get("layer"), dict):
         r = results["layer"]
         print(f"layer saved for backward: HF {r['hf_saved_mib']:.0f} MiB, fused {r['fused_saved_mib']:.0f} MiB")
+        print(f"layer + fused weight-gradient accumulation: {r['fused_linear_ms']:.3f} ms "
+              f"({r['fused_linear_speedup']:.2f}x HF's), saved {r['fused_linear_saved_mib']:.0f} MiB, "
+              f"max rel grad diff {r['fused_linear_max_rel_grad_diff']:.2e}")
     shapes = {k: getattr(a, k) for k in ("rows", "seq", "hidden", "intermediate", "heads", "kv_heads", "head_dim")}
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(json.dumps({"bench": "train_kernels", "device": name, "shapes": shapes,

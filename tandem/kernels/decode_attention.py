@@ -359,6 +359,10 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        # no multiply-add contraction, with the rotation in the kernel or not: the fused rotation
+        # then rounds as `tandem.kernels.rotary` does (contracted, a rotated key differed by an ulp
+        # on the H200), and both variants attend with the same arithmetic
+        enable_fp_fusion=False,
     )
     if partial:
         _decode_merge_kernel[(batch, num_heads)](

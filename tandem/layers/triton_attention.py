@@ -23,11 +23,8 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, fuse_decode: bool = False):
-        # Decode steps: rotary, cache write and attention in one kernel (True). Off: on the H200 it
-        # failed every case of its bit-equality test against the two-kernel path
-        # (tests/kernels/test_decode_attention.py; it passes under the interpreter). Why is not
-        # known yet (a rounding difference such as FMA contraction in the fused rotation, or a
-        # wrong result); until that is shown it is not the default.
+        # Decode steps: rotary, cache write and attention in one kernel (True), bit for bit the
+        # two-kernel path (tests/kernels/test_decode_attention.py, on the H200 too).
         self.fuse_decode = fuse_decode
 
     def store_kvcache(self, k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:

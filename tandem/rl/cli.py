@@ -105,7 +105,8 @@ FIELD_HELP = {
     "tokens, balanced, instead of --per-device-train-batch-size rows (same loss and gradients)",
     "use_liger_kernel": "TRL's name: means --fused-kernels (tandem's logprobs use its own chunked kernel)",
     "fused_kernels": "tandem's fused Triton RMSNorm/SwiGLU/rotary kernels (forward and backward) in "
-    "the trained model (default: on with CUDA and Triton)",
+    "the trained model, and under bf16 its Linears' weight gradients accumulated in fp32 by their GEMM "
+    "(default: on with CUDA and Triton)",
     "use_vllm": "accepted for TRL scripts: tandem's engine always generates (False warns)",
     "vllm_server_host": "--vllm-mode server: the server's host (when no --vllm-server-base-url)",
     "vllm_server_port": "--vllm-mode server: the server's port",

@@ -108,8 +108,9 @@ class GRPOConfig:
     use_liger_kernel: bool = False
     # tandem's fused Triton training kernels (RMSNorm, SwiGLU, rotary: one pass forward, one
     # backward) in this model's decoder layers instead of HF's elementwise ops and autocast's casts
-    # (`tandem.rl.fused_layers`; the patch is per model instance). None: on when training on CUDA
-    # with Triton installed; True on a CPU needs TRITON_INTERPRET=1 (slow; tests).
+    # (`tandem.rl.fused_layers`; the patch is per model instance); under bf16 also the Linears'
+    # weight gradients accumulated in fp32 by their GEMM (`tandem.rl.grad_accum_linear`). None: on
+    # when training on CUDA with Triton installed; True on a CPU needs TRITON_INTERPRET=1 (slow; tests).
     fused_kernels: bool | None = None
     # Each micro-batch's rows packed into one sequence (TRL's SFTConfig name): no FLOP on padding,
     # whatever the spread of completion lengths; same numbers as padded rows (`tandem.rl.packing`).

@@ -22,7 +22,7 @@ from tandem.engine.gc_pause import frozen_heap
 from tandem.models import hub
 from tandem.rl import callbacks as callbacks_mod
 from tandem.rl import checkpoint as ckpt
-from tandem.rl import fused_layers, lora, memory_setup
+from tandem.rl import fused_layers, grad_accum_linear, lora, memory_setup
 from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
@@ -97,6 +97,8 @@ class GRPOTrainer:
             _disable_dropout(self.model)
         if self.fused_kernels:  # before the reference copy, LoRA and sharding: each keeps the patch
             fused_note = fused_layers.patch_model(self.model)
+            linear_note = grad_accum_linear.why_off(self.use_bf16, args.fsdp, args.batch_invariant, self.peft)
+            fused_note += "\n" + (linear_note or grad_accum_linear.patch_model(self.model))
         if self.dist.is_main:
             print(fused_note, flush=True)
         self.dist.broadcast_params(self.model)

@@ -24,6 +24,7 @@ def test_smoke_on_cpu(capsys):
     for r in results.values():
         assert r["hf_ms"] > 0 and r["fused_ms"] > 0
     assert results["layer"]["max_rel_grad_diff"] < 0.1  # bf16 autocast in the interpreter: loose
+    assert results["layer"]["fused_linear_ms"] > 0 and results["layer"]["fused_linear_max_rel_grad_diff"] < 0.1
 
 
 def test_head_smoke_on_cpu(capsys):

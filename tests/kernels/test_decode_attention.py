@@ -221,9 +221,6 @@ def torch_path(c):
 )
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: the GPU test below
-@pytest.mark.xfail(torch.cuda.is_available(), strict=False, reason=(
-    "the fused kernel (off by default) failed this bit-equality test on the H200, cause not known "
-    "yet (TritonAttentionBackend's comment)"))
 def test_fused_rotary_store_decode_equals_two_kernels(
     num_kv_heads, group, head_dim, block_size, num_splits, dtype, device, paged_kv, close
 ):
@@ -246,7 +243,6 @@ def test_fused_rotary_store_decode_equals_two_kernels(
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="the fused decode kernel (off by default): see above")
 @pytest.mark.parametrize("num_kv_heads,group", [(2, 6), (4, 7)])
 def test_fused_rotary_store_decode_bf16_in_a_cuda_graph(num_kv_heads, group, paged_kv):
     """bf16 on the GPU, captured once and replayed: bit for bit the two-kernel path (the cache

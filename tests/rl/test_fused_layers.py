@@ -170,7 +170,8 @@ def test_trainer_patches_the_policy_and_its_reference(tmp_path, capsys):
     trainer = GRPOTrainer(make_tiny_model("llama", seed=3), lambda completions, **kw: [0.0] * len(completions),
                           cfg, train_dataset=Dataset.from_dict({"prompt": ["Hello", "The answer is"]}),
                           processing_class=make_tokenizer(), engine_kwargs={"device": "cpu"})
-    assert "fused kernels: on" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fused kernels: on" in out and "fused weight-gradient accumulation: off (fp32" in out
     assert is_patched(trainer.model) and is_patched(trainer.ref_model)
     metrics = trainer.step()
     assert torch.isfinite(torch.tensor(metrics["loss"]))
