@@ -188,6 +188,7 @@ def completion_logps(
     head_dtype: torch.dtype | None = None,
     sampling: SamplingFilter | None = None,
     padding_free: bool = False,
+    lengths_cpu: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs [B, T] (fp32) of each row's completion under an HF causal LM.
 
@@ -197,14 +198,19 @@ def completion_logps(
     prompt_lengths[i]; positions count from 0 at each row's first token, as the engine numbers
     them. Completion positions past a row's end score 0. `padding_free`: each micro-batch's rows
     run as one packed sequence (`tandem.rl.packing`), so no FLOP goes to padding.
+
+    Padded rows run with the causal mask alone: a right pad comes after every real token of its
+    row, so no real query attends to it, and the pads' own outputs are never scored. That spares
+    the model's mask (and the read-back HF's mask code makes to check it). `lengths_cpu`: the
+    rows' (prompt_lengths, lengths) on the host, where the caller has them (`rollout.pack`): the
+    scored positions are then found there, and a micro-batch's forward is launched without
+    reading the device back.
     """
     B, L = input_ids.shape
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    tgt_pos = prompt_lengths[:, None] + torch.arange(num_completion_tokens, device=input_ids.device)
-    valid = tgt_pos < L  # [B, T]: a completion token sits there
-    tgt_pos = tgt_pos.clamp(max=L - 1)
-    valid &= attention_mask.gather(1, tgt_pos).bool()
-    targets = input_ids.gather(1, tgt_pos)
+    dev = input_ids.device
+    prompt_len, seq_len = lengths_cpu or (prompt_lengths, attention_mask.sum(-1))
+    tgt_pos = prompt_len[:, None] + torch.arange(num_completion_tokens, device=prompt_len.device)
+    valid = tgt_pos < seq_len[:, None]  # [B, T]: a completion token sits there (right padding)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise ValueError("an lm_head with a bias is not supported by the fused log-prob head")
@@ -212,26 +218,36 @@ def completion_logps(
     out = torch.zeros(valid.shape, dtype=torch.float32, device=input_ids.device)
     for s in range(0, B, step):
         rows = slice(s, s + step)
-        v = valid[rows]
-        b_idx = torch.arange(v.shape[0], device=v.device)[:, None].expand_as(v)[v]
-        pred_pos = tgt_pos[rows][v] - 1  # the state that predicts each token
+        b_idx, t_idx = valid[rows].nonzero(as_tuple=True)  # on the host with lengths_cpu
+        pred_pos = tgt_pos[rows][b_idx, t_idx] - 1  # the state that predicts each token
+        if lengths_cpu is not None:
+            b_idx, t_idx, pred_pos = (_to_device(t, dev) for t in (b_idx, t_idx, pred_pos))
+        targets = input_ids[rows][b_idx, pred_pos + 1]
+        state_row = b_idx  # where the predicting states sit: [b, L], or [1, packed] below
         if padding_free:
             packed = pack_rows(input_ids[rows], attention_mask[rows])
-            pred_pos, b_idx = packed["row_starts"][b_idx] + pred_pos, torch.zeros_like(b_idx)
+            pred_pos, state_row = packed["row_starts"][b_idx] + pred_pos, torch.zeros_like(b_idx)
             kw = dict(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
                       cu_seq_lens_q=packed["cu_seqlens"], cu_seq_lens_k=packed["cu_seqlens"],
                       max_length_q=packed["max_len"], max_length_k=packed["max_len"])
-        else:
-            kw = dict(input_ids=input_ids[rows], attention_mask=attention_mask[rows], position_ids=positions[rows])
-        scorer = _ScoringHead(head, b_idx, pred_pos, targets[rows][v], temperature, head_dtype, sampling)
+        else:  # positions 0, 1, ... as the engine numbers them; causal mask only (see above)
+            kw = dict(input_ids=input_ids[rows])
+        scorer = _ScoringHead(head, state_row, pred_pos, targets, temperature, head_dtype, sampling)
         model.set_output_embeddings(scorer)
         try:  # the model's own forward, so a sharded (FSDP) root gathers the head's weight
             with _attention(model, ATTENTION if padding_free else None):
                 lp_N = model(**kw, logits_to_keep=0, use_cache=False).logits
         finally:
             model.set_output_embeddings(head)
-        out[rows] = out[rows].masked_scatter(v, lp_N)
+        out[rows] = out[rows].index_put((b_idx, t_idx), lp_N)
     return out
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting for the device's queue."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @contextlib.contextmanager

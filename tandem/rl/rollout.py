@@ -57,7 +57,8 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
     """Tensors for the trainer: each row is its prompt, its completion, then right padding.
 
     input_ids / attention_mask [N, L], prompt_lengths [N] (where row i's completion starts),
-    completion_mask and engine_logp [N, T]. No row is left-padded: a left pad is a query position
+    completion_mask and engine_logp [N, T] on `device`; prompt_lengths_cpu and seq_lens_cpu [N]
+    (prompt + completion tokens) on the host. No row is left-padded: a left pad is a query position
     that attends to nothing, which SDPA's bf16 backward turns into NaN gradients (`logprobs.py`).
     Truncated completions get an all-zero mask when `mask_truncated`.
     """
@@ -80,4 +81,6 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
         "input_ids": input_ids.to(device), "attention_mask": attention.to(device),
         "prompt_lengths": prompt_lengths.to(device), "completion_mask": completion_mask.to(device),
         "engine_logp": engine_logp.to(device),
+        # on the host, for what the trainer plans from them without reading the device back
+        "prompt_lengths_cpu": prompt_lengths, "seq_lens_cpu": attention.sum(-1),
     }

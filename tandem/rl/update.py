@@ -145,7 +145,8 @@ class PolicyUpdate:
         split = split_rows(data["attention_mask"], a.per_device_train_batch_size, a.gradient_accumulation_steps,
                            a.max_tokens_per_micro_batch, self.dist.all_reduce_max)
         if split.order is not None:
-            data = {k: v[split.order] for k, v in data.items()}
+            host = split.order.cpu()
+            data = {k: v[host if v.device.type == "cpu" else split.order] for k, v in data.items()}
             advantages, scale = advantages[split.order], scale[split.order]
         return data, advantages, scale, split
 
@@ -183,8 +184,15 @@ class PolicyUpdate:
                                     data["prompt_lengths"][rows], data["completion_mask"].shape[1],
                                     a.temperature, micro_batch_size,
                                     head_dtype=torch.bfloat16 if self.use_bf16 else None,
-                                    sampling=self.sampling_filter, padding_free=a.padding_free)
+                                    sampling=self.sampling_filter, padding_free=a.padding_free,
+                                    lengths_cpu=_lengths_cpu(data, rows))
         return logp if exact is None else logp + (exact - logp).detach()
+
+
+def _lengths_cpu(data: dict, rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if "seq_lens_cpu" not in data:
+        return None
+    return data["prompt_lengths_cpu"][rows], data["seq_lens_cpu"][rows]
 
 
 def _first_nonfinite(finite: list[list[bool]], group: list[slice], split: MicroBatches) -> str | None:
