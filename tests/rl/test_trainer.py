@@ -25,6 +25,7 @@ def make_trainer(tmp_path, **overrides):
         "gradient_accumulation_steps": 2, "max_completion_length": 8, "max_prompt_length": 32, "learning_rate": 1e-2,
         "max_steps": 12, "temperature": 1.0, "report_to": "none", "gradient_checkpointing": False,
         "lr_scheduler_type": "constant", "seed": 0, "vllm_gpu_memory_utilization": 0.1, "save_steps": 10**6,
+        "use_cpu": True,  # the engine is on the CPU (engine_kwargs), on a GPU host too
     }
     cfg.update(overrides)
     return GRPOTrainer(model, target_share, GRPOConfig(**cfg), train_dataset=Dataset.from_dict({"prompt": prompts}),
