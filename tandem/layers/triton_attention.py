@@ -22,7 +22,7 @@ class TritonAttentionBackend:
 
     name = "triton"
 
-    def __init__(self, fuse_decode: bool = False):
+    def __init__(self, fuse_decode: bool = True):
         # Decode steps: rotary, cache write and attention in one kernel (True), bit for bit the
         # two-kernel path (tests/kernels/test_decode_attention.py, on the H200 too).
         self.fuse_decode = fuse_decode

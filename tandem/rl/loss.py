@@ -228,6 +228,19 @@ def step_row_scales(
 # ---- the composed loss ------------------------------------------------------------------------
 
 
+def _masked_stat(x: torch.Tensor, keep: torch.Tensor, stat: str) -> torch.Tensor:
+    """min / mean / max of x where `keep` (broadcast to x) holds, NaN where nothing is kept:
+    computed on the device, with no read-back to learn how many entries are kept."""
+    keep = keep.expand_as(x)
+    n = keep.sum()
+    if stat == "mean":
+        value = torch.where(keep, x, 0.0).sum() / n.clamp(min=1)
+    else:
+        fill = float("inf") if stat == "min" else float("-inf")
+        value = torch.where(keep, x, fill).amin() if stat == "min" else torch.where(keep, x, fill).amax()
+    return torch.where(n > 0, value, float("nan"))
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over valid tokens for [N, T]; over sequences with a valid token for [N, 1]."""
     if x.shape[-1] == 1:
@@ -278,19 +291,16 @@ def grpo_loss(
             old_logp.detach(), engine_logp, mask, is_mode, is_clip_max, is_clip_min
         )
         loss_NS = loss_NS * is_w_NS
-        flat = is_w_NS.flatten() if is_w_NS.shape[-1] == 1 else is_w_NS[mask.bool()]
-        if is_w_NS.shape[-1] == 1:  # sequences with no token that counts are not "masked"
-            flat = flat[mask.sum(-1) > 0]
-        if flat.numel():
-            # The share of the rollout the correction threw away: masked, or weighted below 1e-3.
-            metrics["sampling/is_dropped_fraction"] = (flat < 1e-3).float().mean().detach()
-            metrics["sampling/importance_sampling_ratio/min"] = flat.min().detach()
-            metrics["sampling/importance_sampling_ratio/mean"] = flat.mean().detach()
-            metrics["sampling/importance_sampling_ratio/max"] = flat.max().detach()
-        delta = (old_logp.detach() - engine_logp).abs()[mask.bool()]
-        if delta.numel():
-            metrics["sampling/sampling_logp_difference/mean"] = delta.mean()
-            metrics["sampling/sampling_logp_difference/max"] = delta.max()
+        # sequences with no token that counts are not "masked"; NaN where nothing counts
+        w, counted = is_w_NS.detach(), mask.bool()
+        kept = (mask.sum(-1, keepdim=True) > 0) if w.shape[-1] == 1 else counted
+        # The share of the rollout the correction threw away: masked, or weighted below 1e-3.
+        metrics["sampling/is_dropped_fraction"] = _masked_stat((w < 1e-3).float(), kept, "mean")
+        for stat in ("min", "mean", "max"):
+            metrics[f"sampling/importance_sampling_ratio/{stat}"] = _masked_stat(w, kept, stat)
+        delta = (old_logp.detach() - engine_logp).abs()
+        for stat in ("mean", "max"):
+            metrics[f"sampling/sampling_logp_difference/{stat}"] = _masked_stat(delta, counted, stat)
 
     if beta != 0.0:
         if ref_logp is None:

@@ -70,6 +70,7 @@ class PolicyUpdate:
         # Summed on the device and read once a step: a read-back per micro-batch would empty the
         # device's queue each time, and the host would then launch the next forward with it idle.
         sums: dict[str, torch.Tensor | float] = {}  # per micro-batch
+        counts: dict[str, torch.Tensor | float] = {}  # micro-batches that had a value (NaN: none)
         step_losses = torch.zeros((), device=self.device)  # this rank's micro-batches' shares
         step_norms = 0.0  # summed over steps
         count = num_steps = 0
@@ -89,7 +90,12 @@ class PolicyUpdate:
                     if budget:  # the share of the budget this micro-batch's real tokens take
                         m["train/micro_batch_fill"] = fill[s.start]
                     for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + (v.detach().float() if torch.is_tensor(v) else float(v))
+                        if torch.is_tensor(v):
+                            v = v.detach().float()
+                            sums[k] = sums.get(k, 0.0) + torch.where(v.isnan(), 0.0, v)
+                            counts[k] = counts.get(k, 0.0) + (~v.isnan()).float()
+                        else:
+                            sums[k], counts[k] = sums.get(k, 0.0) + float(v), counts.get(k, 0.0) + 1.0
                     finite.append(torch.stack([torch.isfinite(loss.detach()), torch.isfinite(logp.detach()).all()]))
                     count += 1
                 first_bad = _first_nonfinite(torch.stack(finite).tolist(), group, split)
@@ -113,10 +119,12 @@ class PolicyUpdate:
                     if self.scorer is not None:
                         self.scorer.mark_stale()
                 self.optimizer.zero_grad(set_to_none=True)
-        totals = self.dist.sum_dicts({**_to_host(sums), "_count": float(count), "_loss": float(step_losses),
+        host = _to_host({**sums, **{f"_n/{k}": v for k, v in counts.items()}})
+        totals = self.dist.sum_dicts({**host, "_count": float(count), "_loss": float(step_losses),
                                       "_tokens": float(sum(split.tokens))})
         count, loss_sum, tokens = totals.pop("_count"), totals.pop("_loss"), totals.pop("_tokens")
-        metrics = {k: v / max(1, count) for k, v in totals.items()}  # means over every rank's micro-batches
+        # means over every rank's micro-batches that had a value (NaN where none had)
+        metrics = {k: totals[k] / totals[f"_n/{k}"] if totals[f"_n/{k}"] else math.nan for k in sums}
         metrics["loss"] = loss_sum / max(1, num_steps)  # every rank's shares: the steps' losses
         if a.max_grad_norm:
             metrics["grad_norm"] = step_norms / max(1, num_steps)  # global already
