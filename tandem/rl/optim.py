@@ -100,12 +100,14 @@ def step_temporaries(optim: str, numels: Iterable[int], cuda: bool, weight_decay
     model's first `_multi_tensor_adam`), and SGD with weight decay a decayed copy of the
     gradients; on a CPU torch steps one tensor at a time. The fused kernels take nothing;
     torchao's compiled step works one tensor at a time: the largest's two moments in fp32 between
-    dequantising and requantising them (per-block maxima)."""
+    dequantising and requantising them (8 B an element); the 4-bit step also holds each moment's
+    int64 codes before it packs two to a byte (16 B more: on the H200 a 14B model's first 4-bit
+    step ran out of memory with at least 24 B per element of its embedding held)."""
     numels = list(numels)
     if not numels:
         return 0
     if optim in QUANTISED:
-        return 8 * max(numels)
+        return (24 if optim == "adamw_torch_4bit" else 8) * max(numels)
     fused = optim == "adamw_torch_fused" and cuda
     if fused or optim == "sgd" and not weight_decay:
         return 0

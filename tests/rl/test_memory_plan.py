@@ -92,6 +92,9 @@ def test_optimizer_state_and_temporaries_by_hand():
     )  # foreach sqrt
     assert step_temporaries("adamw_torch_fused", [big, small], cuda=True) == 0
     assert step_temporaries("adamw_torch_fused", [big, small], cuda=False) == 4 * big  # per tensor
+    # torchao, a tensor at a time: the largest's fp32 moments, and (4-bit) their int64 codes
+    assert step_temporaries("adamw_torch_8bit", [big, small], cuda=True) == 8 * big
+    assert step_temporaries("adamw_torch_4bit", [big, small], cuda=True) == 24 * big
 
 
 def test_the_plan_recomputes_then_offloads_then_shrinks_the_kv_cache():
