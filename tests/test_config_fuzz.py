@@ -7,6 +7,7 @@ The oracle below states each field's accepted values independently of the code u
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -73,11 +74,13 @@ ENGINE = {
     "logprobs_mode": _choice("raw_logprobs", "processed_logprobs"),
     "trust_remote_code": _bool(),
     "attention_backend": _choice("auto", "torch", "triton"),
-    "decode_gemm": _choice("cublas", "triton"),  # or an existing .json path: never drawn
+    "decode_gemm": lambda v: _choice("cublas", "triton")(v) or (  # or an existing .json table
+        isinstance(v, str) and v.endswith(".json") and os.path.isfile(v)),
     "async_scheduling": _bool(optional=True),
     "stream_interval": _int(1, _COUNT),
     "max_admission_delay_steps": _int(0, _COUNT),
-    "tokenizer": lambda v: v is None,  # or an existing path: never drawn below
+    # None, or a local directory or file (a drawn "/" or "." exists)
+    "tokenizer": lambda v: v is None or (isinstance(v, str) and v != "" and os.path.exists(v)),
     "revision": lambda v: v is None or (isinstance(v, str) and v != ""),
 }
 SAMPLING = {
