@@ -35,8 +35,8 @@ import torch
 
 from tandem.bench.roofline import device_ceilings
 from tandem.rl.fused_layers import patch_model, rms_norm, rotary_qk, silu_mul
-from tandem.rl.logprobs import head_logprobs
 from tandem.rl.grad_accum_linear import patch_model as patch_linears
+from tandem.rl.logprobs import head_logprobs
 
 BF16 = torch.bfloat16
 

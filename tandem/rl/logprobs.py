@@ -206,7 +206,7 @@ def completion_logps(
     scored positions are then found there, and a micro-batch's forward is launched without
     reading the device back.
     """
-    B, L = input_ids.shape
+    B = input_ids.shape[0]
     dev = input_ids.device
     prompt_len, seq_len = lengths_cpu or (prompt_lengths, attention_mask.sum(-1))
     tgt_pos = prompt_len[:, None] + torch.arange(num_completion_tokens, device=prompt_len.device)
