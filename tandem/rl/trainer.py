@@ -347,7 +347,13 @@ class GRPOTrainer:
         return metrics
 
     def step(self) -> dict:
-        """One generation round and the optimizer steps it feeds; returns the logged metrics."""
+        """One generation round and the optimizer steps it feeds; returns the logged metrics. No
+        full GC pass walks the heap that exists when it starts (`frozen_heap`: train() holds the
+        freeze for the whole run; a loop of bare step() calls gets it a step at a time)."""
+        with frozen_heap():
+            return self._step()
+
+    def _step(self) -> dict:
         a = self.args
         marks = [time.perf_counter()]  # phase boundaries: weight sync | generate | reward | train
         self.peak_memory.begin("generate", engine_outside_bytes(self.llm, awake=True))

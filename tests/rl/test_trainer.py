@@ -49,6 +49,19 @@ def test_tiny_model_learns_from_engine_rollouts(tmp_path, sleep_mode):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_a_bare_step_keeps_full_gc_passes_off_the_heap_it_started_with(tmp_path, monkeypatch):
+    """A loop of step() calls (bench rl's, a user's own) gets train()'s frozen heap a step at a time."""
+    import gc
+
+    trainer = make_trainer(tmp_path, max_steps=1)
+    frozen = []
+    inner = trainer._step
+    monkeypatch.setattr(trainer, "_step", lambda: frozen.append(gc.get_freeze_count()) or inner())
+    before = gc.get_freeze_count()
+    trainer.step()
+    assert frozen[0] > before and gc.get_freeze_count() == before  # frozen inside, given back after
+
+
 def test_a_skipped_weight_sync_is_caught(tmp_path, monkeypatch):
     trainer = make_trainer(tmp_path, max_steps=2)
     m = trainer.step()
