@@ -79,6 +79,12 @@ class GRPOConfig:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     generation_kwargs: dict[str, Any] | None = None  # more SamplingParams (stop, ...), as TRL
+    # TRL's: rollouts (and evaluation's greedy completions) match this regex, through the engine's
+    # structured outputs (llguidance). As with vLLM, the engine's logprobs are those of the
+    # grammar-masked distribution and the trainer scores the policy unmasked: where the grammar
+    # forced a token, the importance ratio falls below 1 and vllm_importance_sampling_correction
+    # weighs it down, as in TRL.
+    vllm_structured_outputs_regex: str | None = None
 
     # Optimiser and schedule.
     learning_rate: float = 1e-6
@@ -183,6 +189,21 @@ class GRPOConfig:
     num_completions_to_print: int | None = 4
     save_steps: int | float = 500
     save_total_limit: int | None = None
+
+    def _check_structured_outputs(self) -> None:
+        from tandem.engine.structured_output import check_grammar
+        from tandem.sampling_params import StructuredOutputsParams
+
+        regex = self.vllm_structured_outputs_regex
+        if not isinstance(regex, str) or not regex:
+            raise ValueError(f"vllm_structured_outputs_regex must be a non-empty regex or None, got {regex!r}")
+        if self.batch_invariant:
+            raise ValueError("vllm_structured_outputs_regex masks the engine's distribution, which "
+                             "batch_invariant=True's scorer does not follow: set one of them")
+        try:
+            check_grammar(StructuredOutputsParams(regex=regex))
+        except ValueError as exc:
+            raise ValueError(f"vllm_structured_outputs_regex={regex!r}: {exc}") from None
 
     def __post_init__(self) -> None:
         self._normalise_trl_values()
@@ -378,6 +399,8 @@ class GRPOConfig:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1.0 disables it), got {self.repetition_penalty}"
             )
+        if self.vllm_structured_outputs_regex is not None:
+            self._check_structured_outputs()
         if self.batch_invariant:
             off = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
             dropped = {k: getattr(self, k) for k, v in off.items() if getattr(self, k) != v}

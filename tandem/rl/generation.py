@@ -35,8 +35,9 @@ class ColocatedGenerator:
         self.release()
         return rollout
 
-    def greedy(self, prompt_ids: list[list[int]], max_tokens: int) -> tuple[list[str], list[list[int]]]:
-        greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    def greedy(self, prompt_ids: list[list[int]], max_tokens: int,
+               structured_outputs=None) -> tuple[list[str], list[list[int]]]:
+        greedy = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=structured_outputs)
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], greedy, use_tqdm=False)
         self.release()
         return [o.outputs[0].text for o in outs], [o.outputs[0].token_ids for o in outs]
@@ -71,7 +72,8 @@ class ServerGenerator:
                 offset: int) -> Rollout:
         body = {"n": num_generations, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k, "min_p": params.min_p, "max_tokens": params.max_tokens,
-                "repetition_penalty": params.repetition_penalty, "seed": seed + offset * num_generations}
+                "repetition_penalty": params.repetition_penalty, "seed": seed + offset * num_generations,
+                **_structured(params.structured_outputs)}
         r = Rollout([], [], [], [], [])
         for c in self.client.generate(batch.prompt_ids, body):
             r.prompt_ids.append(batch.prompt_ids[c.prompt_index])
@@ -81,9 +83,16 @@ class ServerGenerator:
             r.texts.append(c.text)
         return r
 
-    def greedy(self, prompt_ids: list[list[int]], max_tokens: int) -> tuple[list[str], list[list[int]]]:
-        outs = self.client.generate(prompt_ids, {"temperature": 0, "max_tokens": max_tokens})
+    def greedy(self, prompt_ids: list[list[int]], max_tokens: int,
+               structured_outputs=None) -> tuple[list[str], list[list[int]]]:
+        outs = self.client.generate(prompt_ids, {"temperature": 0, "max_tokens": max_tokens,
+                                                 **_structured(structured_outputs)})
         return [c.text for c in outs], [c.token_ids for c in outs]
 
     def release(self) -> None:
         pass
+
+
+def _structured(so) -> dict:
+    """The trainer's regex as vLLM's `structured_outputs` extra field of a /v1/completions request."""
+    return {} if so is None else {"structured_outputs": {"regex": so.regex}}

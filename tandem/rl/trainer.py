@@ -39,7 +39,7 @@ from tandem.rl.rewards import RewardComputer, wrap_completions
 from tandem.rl.rollout import Rollout, pack
 from tandem.rl.strategy import make_strategy
 from tandem.rl.update import PolicyUpdate
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,11 @@ class GRPOTrainer:
             sleep_level = self.memory_plan.work.sleep_level  # the plan's (vllm_enable_sleep_mode)
             check = None if peft_config is None else functools.partial(lora.check_engine_has_adapter, self.model)
             self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights, check)
+        self.structured_outputs = (None if args.vllm_structured_outputs_regex is None
+                                   else StructuredOutputsParams(regex=args.vllm_structured_outputs_regex))
         sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-                    "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length}
+                    "repetition_penalty": args.repetition_penalty, "max_tokens": args.max_completion_length,
+                    "structured_outputs": self.structured_outputs}
         try:  # generation_kwargs: more SamplingParams, as TRL hands them to vLLM
             self.sampling_params = SamplingParams(**{**sampling, **(args.generation_kwargs or {})})
         except TypeError as exc:
@@ -414,7 +417,7 @@ class GRPOTrainer:
         n = min(len(dataset), num_samples or len(dataset))
         batch = build_prompt_batch(dataset, list(range(n)), self.tokenizer, a.max_prompt_length, a.chat_template_kwargs)
         self.generator.sync()
-        texts, token_ids = self.generator.greedy(batch.prompt_ids, a.max_completion_length)
+        texts, token_ids = self.generator.greedy(batch.prompt_ids, a.max_completion_length, self.structured_outputs)
         result = self.rewards(batch.prompts, wrap_completions(batch.prompts, texts), token_ids,
                               trainer_state=self.state, **batch.reward_columns(1))
         return {f"eval/{k.removeprefix('rewards/')}": v for k, v in result.metrics().items()} | {

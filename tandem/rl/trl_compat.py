@@ -134,10 +134,8 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "pad_to_multiple_of": ("auto", IGNORE, "the engine packs sequences without padding"),
     "cache_implementation": (None, IGNORE, "the engine keeps its own paged KV cache"),
     "vllm_model_impl": ("vllm", IGNORE, "the engine is tandem's"),
-    "vllm_structured_outputs_regex": (None, REFUSE, ("structured outputs are not supported; reward "
-                                      "the format with a reward function instead")),
-    "vllm_guided_decoding_regex": (None, REFUSE, ("structured outputs are not supported; reward "
-                                   "the format with a reward function instead")),
+    "vllm_guided_decoding_regex": (None, REFUSE, ("TRL's older name: set vllm_structured_outputs_regex, "
+                                   "which tandem honours")),
     "vllm_server_timeout": (240.0, IGNORE, "the server client waits for the server's own answer"),
     "vllm_group_port": (51216, IGNORE, "the weight-push group rendezvous is chosen by the server"),
     "delta": (None, REFUSE, ("two-sided clipping (INTELLECT-2's delta) is not implemented; use "

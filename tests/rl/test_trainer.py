@@ -147,3 +147,47 @@ def test_resume_falls_back_past_a_corrupt_checkpoint(tmp_path, capsys):
     (tmp_path / "checkpoint-1" / "trainer_state.json").write_text("{")
     with pytest.raises(ValueError, match="no checkpoint .* could be loaded"):
         make_trainer(tmp_path, max_steps=6)._resume(True)
+
+
+def test_trl_structured_outputs_regex_constrains_rollouts_and_evaluation(tmp_path):
+    """vllm_structured_outputs_regex (TRL's): every rollout and greedy evaluation completion matches
+    it. The engine reports the grammar-masked distribution's logprobs (vLLM's), so they are never
+    below the trainer's unmasked ones, and above them where the mask removed mass."""
+    import re
+
+    pytest.importorskip("llguidance")
+    regex = "(yes|no|maybe)"
+    trainer = make_trainer(tmp_path, max_steps=1, vllm_structured_outputs_regex=regex,
+                           eval_strategy="no")
+    seen = {}
+    rollout, run = trainer.generator.rollout, trainer.update.run
+
+    def capture_rollout(*a, **k):
+        seen["rollout"] = rollout(*a, **k)
+        return seen["rollout"]
+
+    def capture_run(data, *a, **k):
+        seen["data"], seen["logp"] = data, trainer.update.logps(trainer.model, data, no_grad=True)
+        return run(data, *a, **k)
+
+    trainer.generator.rollout, trainer.update.run = capture_rollout, capture_run
+    trainer.step()
+    texts = seen["rollout"].texts
+    assert texts and all(re.fullmatch(regex, t) for t in texts), texts
+    mask = seen["data"]["completion_mask"].bool() & (seen["data"]["engine_logp"] != 0)
+    engine, ours = seen["data"]["engine_logp"][mask], seen["logp"][mask]
+    assert (engine >= ours - 1e-4).all() and (engine > ours + 1e-3).any()
+    metrics = trainer.evaluate(trainer.train_dataset, num_samples=4)
+    assert "eval/reward" in metrics
+    greedy, _ = trainer.generator.greedy([[5, 6, 7]], 8, trainer.structured_outputs)
+    assert re.fullmatch(regex, greedy[0])
+
+
+def test_structured_outputs_regex_is_checked_before_anything_loads():
+    pytest.importorskip("llguidance")
+    with pytest.raises(ValueError, match="vllm_structured_outputs_regex='\\(yes'"):
+        GRPOConfig(output_dir="/tmp/x", vllm_structured_outputs_regex="(yes")
+    with pytest.raises(ValueError, match="batch_invariant"):
+        GRPOConfig(output_dir="/tmp/x", vllm_structured_outputs_regex="yes", batch_invariant=True)
+    with pytest.raises(ValueError, match="vllm_guided_decoding_regex.*vllm_structured_outputs_regex"):
+        GRPOConfig(output_dir="/tmp/x", vllm_guided_decoding_regex="yes")

@@ -1,10 +1,15 @@
 """GRPO with vllm_mode="server": rollouts from a `tandem serve` process, weights pushed to it."""
 
+import re
+
+import pytest
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem import LLM, SamplingParams
 from tandem.rl import GRPOConfig, GRPOTrainer
+from tandem.rl.data import PromptBatch
+from tandem.sampling_params import StructuredOutputsParams
 
 from .helpers import run_server
 
@@ -39,4 +44,12 @@ def test_server_mode_trains_and_the_server_generates_with_the_new_weights(tiny_l
         offline = LLM(trainer.model, tokenizer=tok, device="cpu").generate(
             [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
         assert served == offline[0].outputs[0].token_ids
+        # vllm_structured_outputs_regex's path in server mode: the regex rides on each request
+        pytest.importorskip("llguidance")
+        so = StructuredOutputsParams(regex="(yes|no|maybe)")
+        texts, _ = trainer.generator.greedy([ids], 8, so)
+        batch = PromptBatch([0, 1], prompts[:2], prompts[:2], [ids, tok.encode("one two three")], {})
+        rollout = trainer.generator.rollout(batch, 3, SamplingParams(temperature=1.0, max_tokens=8,
+                                                                     structured_outputs=so), seed=0, offset=0)
+        assert all(re.fullmatch("(yes|no|maybe)", t) for t in texts + rollout.texts), texts + rollout.texts
         trainer.generator.client.close()
