@@ -83,7 +83,7 @@ class GRPOConfig:
     # structured outputs (llguidance). As with vLLM, the engine's logprobs are those of the
     # grammar-masked distribution and the trainer scores the policy unmasked: where the grammar
     # forced a token, the importance ratio falls below 1 and vllm_importance_sampling_correction
-    # weighs it down, as in TRL.
+    # weighs it down, as in TRL (vllm_importance_sampling_correction=False: no such weighting).
     vllm_structured_outputs_regex: str | None = None
 
     # Optimiser and schedule.
