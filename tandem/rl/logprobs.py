@@ -30,7 +30,7 @@ import torch
 from tandem import batch_invariant
 from tandem.layers.linear import addmm_fp32_, linear_fp32_out
 from tandem.layers.sampler import apply_min_p, apply_top_k_top_p
-from tandem.rl.packing import ATTENTION, pack_rows, register
+from tandem.rl.packing import ATTENTION, pack_rows, register, to_device
 
 _CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk: 1 GiB (fewer, larger GEMMs; grad_w read less often)
 
@@ -221,11 +221,12 @@ def completion_logps(
         b_idx, t_idx = valid[rows].nonzero(as_tuple=True)  # on the host with lengths_cpu
         pred_pos = tgt_pos[rows][b_idx, t_idx] - 1  # the state that predicts each token
         if lengths_cpu is not None:
-            b_idx, t_idx, pred_pos = (_to_device(t, dev) for t in (b_idx, t_idx, pred_pos))
+            b_idx, t_idx, pred_pos = (to_device(t, dev) for t in (b_idx, t_idx, pred_pos))
         targets = input_ids[rows][b_idx, pred_pos + 1]
         state_row = b_idx  # where the predicting states sit: [b, L], or [1, packed] below
         if padding_free:
-            packed = pack_rows(input_ids[rows], attention_mask[rows])
+            packed = pack_rows(input_ids[rows], attention_mask[rows],
+                               None if lengths_cpu is None else lengths_cpu[1][rows])
             pred_pos, state_row = packed["row_starts"][b_idx] + pred_pos, torch.zeros_like(b_idx)
             kw = dict(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
                       cu_seq_lens_q=packed["cu_seqlens"], cu_seq_lens_k=packed["cu_seqlens"],
@@ -242,12 +243,6 @@ def completion_logps(
         out[rows] = out[rows].index_put((b_idx, t_idx), lp_N)
     return out
 
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, copied without waiting for the device's queue."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @contextlib.contextmanager

@@ -21,9 +21,14 @@ import torch.nn.functional as F
 ATTENTION = "tandem_varlen"
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              seq_lens_cpu: torch.Tensor | None = None) -> dict:
     """Right-padded rows [B, L] -> one packed row: input_ids / position_ids [1, S], the row
-    boundaries cu_seqlens [B + 1] (int32), the longest row, and where each row starts."""
+    boundaries cu_seqlens [B + 1] (int32), the longest row, and where each row starts.
+    `seq_lens_cpu`: the rows' lengths on the host, where the caller has them: the packing is then
+    planned there and the device is not read back."""
+    if seq_lens_cpu is not None:
+        return _pack_from_host(input_ids, seq_lens_cpu.to(torch.int64))
     lengths = attention_mask.sum(-1).to(torch.int32)  # no row is left-padded (rollout.pack)
     valid = attention_mask.bool()
     starts = torch.cumsum(lengths, 0) - lengths
@@ -31,6 +36,25 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
     positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     return {"input_ids": input_ids[valid][None], "position_ids": positions[valid][None],
             "cu_seqlens": cu, "max_len": int(lengths.max()), "row_starts": starts}
+
+
+def _pack_from_host(input_ids: torch.Tensor, lengths: torch.Tensor) -> dict:
+    B, L = input_ids.shape
+    cu = F.pad(torch.cumsum(lengths, 0), (1, 0))
+    row = torch.repeat_interleave(torch.arange(B), lengths)  # [S]: each packed token's row
+    positions = torch.arange(int(cu[-1])) - cu[:-1].repeat_interleave(lengths)
+    dev = input_ids.device
+    flat = to_device(row * L + positions, dev)  # each packed token's place in [B, L]
+    return {"input_ids": input_ids.reshape(-1)[flat][None], "position_ids": to_device(positions, dev)[None],
+            "cu_seqlens": to_device(cu.to(torch.int32), dev), "max_len": int(lengths.max()),
+            "row_starts": to_device(cu[:-1], dev)}
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied without waiting for the device's queue."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0,

@@ -226,3 +226,17 @@ def test_padding_free_on_the_gpu_in_bf16_agrees_with_padded_rows():
         out.append(lp.detach())
     print("varlen flash attention:", _flash_varlen() is not None)
     assert (out[0] - out[1]).abs().mean() < 0.02
+
+
+def test_rows_packed_from_host_lengths_equal_rows_packed_on_the_device():
+    """pack_rows planned from the rollout's host lengths (no read-back) packs what the device-side
+    path packs, tensor for tensor."""
+    from tandem.rl.packing import pack_rows
+
+    lengths = torch.tensor([9, 1, 12, 7])
+    ids = torch.randint(3, 300, (4, 12))
+    am = (torch.arange(12)[None] < lengths[:, None]).long()
+    device_side, host_side = pack_rows(ids, am), pack_rows(ids, am, lengths)
+    assert device_side.keys() == host_side.keys() and device_side["max_len"] == host_side["max_len"] == 12
+    for k in ("input_ids", "position_ids", "cu_seqlens", "row_starts"):
+        assert torch.equal(device_side[k], host_side[k]) and device_side[k].dtype == host_side[k].dtype, k
