@@ -18,7 +18,8 @@ slow; the tests use it). Tensor parallelism is not covered (its all-reduce order
 from __future__ import annotations
 
 import contextlib
-import os
+
+from tandem.checks import check_triton_device
 
 _enabled = False
 
@@ -48,7 +49,4 @@ def enabled(on: bool = True):
 def check_supported(device_type: str) -> None:
     """ValueError naming `batch_invariant` when this device cannot run its kernels (EngineConfig
     refuses tensor parallelism with it)."""
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"batch_invariant=True runs Triton kernels: it needs a CUDA device (got {device_type!r}), "
-            "or TRITON_INTERPRET=1 on the CPU (slow; for tests)")
+    check_triton_device("batch_invariant=True", device_type)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable
 
 
@@ -74,3 +75,12 @@ def _range(lo, hi, lo_open: bool = False) -> str:
     if hi is not None:
         return f" <= {hi}"
     return ""
+
+
+def check_triton_device(what: str, device_type: str, instead: str = "") -> None:
+    """ValueError naming `what` (the setting that asked for Triton kernels) unless this device can
+    run them: CUDA, or the interpreter on the CPU. `instead`: what else the user can set."""
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{what} runs Triton kernels: it needs a CUDA device (got {device_type!r}), or "
+            f"TRITON_INTERPRET=1 on the CPU (slow; for tests){instead}")

@@ -7,13 +7,13 @@ profile a forward pass to size the KV cache, allocate it, capture graphs, warm t
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from tandem import batch_invariant
+from tandem.checks import check_triton_device
 from tandem.config import EngineConfig
 from tandem.engine.cumem import vmm_available
 from tandem.engine.memory import determine_num_blocks, resolve_device, resolve_dtype
@@ -71,10 +71,7 @@ class Worker:
         """Layers that run the Triton decode GEMM for some M (`EngineConfig.decode_gemm`)."""
         if self.config.decode_gemm == "cublas":
             return 0
-        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(
-                f"decode_gemm={self.config.decode_gemm!r} runs Triton kernels: it needs a CUDA "
-                f"device (got {self.device.type!r}), or TRITON_INTERPRET=1 on the CPU (for tests)")
+        check_triton_device(f"decode_gemm={self.config.decode_gemm!r}", self.device.type)
         from tandem.layers.decode_gemm import apply_decode_gemm, load_table
 
         return apply_decode_gemm(self.model, load_table(self.config.decode_gemm, self.device))

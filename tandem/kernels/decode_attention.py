@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.rotary import check_rotary_args
+
 LOG2E = 1.4426950408889634
 
 
@@ -284,10 +286,8 @@ def rotary_store_decode_attention(
     assert k_BKH.shape == v_BKH.shape == (batch, k_cache.shape[2], head_dim), (
         f"{k_BKH.shape=} {v_BKH.shape=}, expected ({batch}, {k_cache.shape[2]}, {head_dim})")
     assert k_BKH.dtype == v_BKH.dtype == q_BNH.dtype, f"{q_BNH.dtype=} {k_BKH.dtype=} {v_BKH.dtype=}"
-    assert k_BKH.stride(-1) == 1 and v_BKH.stride(-1) == 1, "k and v need a contiguous last dim"
-    assert head_dim % 2 == 0, f"head_dim ({head_dim}) must be even"
-    assert cos_cache.shape == sin_cache.shape and cos_cache.shape[1] == head_dim
-    assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
+    assert v_BKH.stride(-1) == 1, "v needs a contiguous last dim"
+    check_rotary_args(q_BNH, k_BKH, cos_cache, sin_cache)  # one token per row, as the rotary's
     assert positions.shape == slot_mapping.shape == (batch,), (
         f"{positions.shape=} {slot_mapping.shape=}: one token per sequence ({batch})")
     new = (k_BKH, v_BKH, positions, cos_cache, sin_cache, slot_mapping)

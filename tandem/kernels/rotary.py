@@ -89,7 +89,7 @@ def _rotary_kernel(
             tl.store(v_cache_ptr + dst1 + HALF, tl.load(src1 + HALF, mask=mask).to(cache_ty), mask=mask)
 
 
-def _check_rotary_args(q_TNH, k_TKH, cos_cache, sin_cache) -> None:
+def check_rotary_args(q_TNH, k_TKH, cos_cache, sin_cache) -> None:
     T, _, head_dim = q_TNH.shape
     assert k_TKH.shape[0] == T and k_TKH.shape[2] == head_dim, f"{q_TNH.shape=} {k_TKH.shape=}"
     assert head_dim % 2 == 0, f"head_dim ({head_dim}) must be even"
@@ -138,7 +138,7 @@ def apply_rotary(
 
     positions [T] index the fp32 caches [max_pos, H]; the last dim of q and k must be contiguous.
     """
-    _check_rotary_args(q_TNH, k_TKH, cos_cache, sin_cache)
+    check_rotary_args(q_TNH, k_TKH, cos_cache, sin_cache)
     _launch(positions, q_TNH, k_TKH, cos_cache, sin_cache)
     return q_TNH, k_TKH
 
@@ -157,7 +157,7 @@ def apply_rotary_and_store_kv(
     """`apply_rotary`, then `store_kvcache` of the rotated k and of v, in one kernel.
 
     Caches are [num_blocks, block_size, Nkv, H]; slot_mapping [T] (-1: skip the token)."""
-    _check_rotary_args(q_TNH, k_TKH, cos_cache, sin_cache)
+    check_rotary_args(q_TNH, k_TKH, cos_cache, sin_cache)
     assert v_TKH.shape == k_TKH.shape and v_TKH.stride(-1) == 1, f"{v_TKH.shape=} {k_TKH.shape=}"
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == k_TKH.shape[1:]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1

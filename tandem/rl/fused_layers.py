@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import sys
 import types
 
 import torch
 import torch.nn.functional as F
+
+from tandem.checks import check_triton_device
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +53,7 @@ def resolve(fused_kernels: bool | None, device: torch.device, use_liger_kernel: 
     if not triton:
         raise ValueError(f"{name}=True runs tandem's Triton kernels and triton is not installed; "
                          f"install it or set {name}=False")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{name}=True runs tandem's Triton kernels: it needs a CUDA device (got "
-                         f"{device.type!r}), or TRITON_INTERPRET=1 on the CPU (slow; for tests); "
-                         f"or set {name}=False")
+    check_triton_device(f"{name}=True", device.type, f"; or set {name}=False")
     return True, ""
 
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
 from tandem import batch_invariant
+from tandem.checks import check_triton_device
 from tandem.layers.linear import addmm_fp32_, linear_fp32_out
 from tandem.layers.sampler import apply_min_p, apply_top_k_top_p
 from tandem.rl.packing import ATTENTION, pack_rows, register, to_device
@@ -171,9 +171,8 @@ def _use_kernels(kernels: bool | None, device: torch.device) -> bool:
         return False
     if kernels is None:
         return device.type == "cuda" and importlib.util.find_spec("triton") is not None
-    if kernels and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"kernels=True runs Triton kernels: it needs a CUDA device (got "
-                         f"{device.type!r}), or TRITON_INTERPRET=1 on the CPU (slow; for tests)")
+    if kernels:
+        check_triton_device("kernels=True", device.type)
     return kernels
 
 
@@ -242,7 +241,6 @@ def completion_logps(
             model.set_output_embeddings(head)
         out[rows] = out[rows].index_put((b_idx, t_idx), lp_N)
     return out
-
 
 
 @contextlib.contextmanager

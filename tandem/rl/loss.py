@@ -236,8 +236,8 @@ def _masked_stat(x: torch.Tensor, keep: torch.Tensor, stat: str) -> torch.Tensor
     if stat == "mean":
         value = torch.where(keep, x, 0.0).sum() / n.clamp(min=1)
     else:
-        fill = float("inf") if stat == "min" else float("-inf")
-        value = torch.where(keep, x, fill).amin() if stat == "min" else torch.where(keep, x, fill).amax()
+        masked = torch.where(keep, x, float("inf") if stat == "min" else float("-inf"))
+        value = masked.amin() if stat == "min" else masked.amax()
     return torch.where(n > 0, value, float("nan"))
 
 

@@ -25,7 +25,7 @@ The device's capacity is what it can hand out when the trainer starts (`free_mem
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,8 +53,8 @@ class Workload:
     padding_free: bool = False
     engine_len: int = 0  # the engine's max_model_len (0: row_len): its cache holds one at least
     colocated: bool = True
-    sleep_level: int | None = 2  # None: the engine stays awake while training
-    sleep_auto: bool = False  # vllm_enable_sleep_mode=None: the plan picks sleep_level or None
+    sleep_level: int | None = 2  # the level it sleeps at while training; None: never asleep
+    sleep_auto: bool = False  # vllm_enable_sleep_mode=None: the plan may keep it awake instead
     kv: float | str = "auto"  # vllm_gpu_memory_utilization
     kv_bytes: int | None = None  # the engine's KV cache fixed by the caller (engine kwargs) ...
     kv_blocks: int | None = None  # ... in bytes or in blocks
@@ -165,6 +165,7 @@ class MemoryPlan:
     offload: bool
     optim: str
     kv_cache_bytes: int
+    sleep_level: int | None = None  # the engine's while training (None: awake)
     rows: dict[str, tuple[int | None, int | None, int | None]] = field(default_factory=dict)
     host_rows: dict[str, int] = field(default_factory=dict)
     activations_kept: int = 0  # saved for backward without recompute
@@ -273,9 +274,9 @@ def plan_memory(
     plan = None
     for off in offload:
         for rc in recompute:
-            plan = _plan(sizes, work, device, rc, off, activations)
+            plan = _plan(sizes, work, device, rc, off, activations, work.sleep_level)
             if auto:  # awake only where the KV cache need not shrink for it
-                awake = _plan(sizes, replace(work, sleep_level=None), device, rc, off, activations)
+                awake = _plan(sizes, work, device, rc, off, activations, None)
                 if awake.fits and awake.kv_cache_bytes >= plan.kv_cache_bytes:
                     return awake
             if plan.fits:
@@ -290,6 +291,7 @@ def _plan(
     recompute: bool,
     offload: bool,
     measured: tuple | None,
+    sleep_level: int | None,
 ) -> MemoryPlan:
     from tandem.rl.logprobs import head_chunk_rows
 
@@ -298,7 +300,8 @@ def _plan(
     numels = list(sizes.trainable_numels)
     engine_elem = 2 if w.bf16 else 4
     plan = MemoryPlan(
-        sizes, w, dev, recompute, offload, w.optim, 0, measured=measured is not None, costs=measured
+        sizes, w, dev, recompute, offload, w.optim, 0, sleep_level,
+        measured=measured is not None, costs=measured,
     )
     weights = 4 * P // S + (4 * P // S if w.reference else 0)
     state = 0 if offload else optim_mod.state_bytes(w.optim, numels) // S
@@ -345,7 +348,7 @@ def _plan(
         if w.colocated and cuda and w.cuda_graphs
         else 0
     )
-    awake = w.sleep_level is None
+    awake = sleep_level is None
     trainer = {
         "trainer weights": (weights, weights, weights),
         "optimizer state": (state, state, state),
@@ -378,7 +381,7 @@ def _plan(
     if offload:
         plan.host_rows["optimizer state (offloaded)"] = optim_mod.state_bytes("adamw_torch", numels)
         plan.host_rows["offload staging"] = staging_bytes(numels)
-    if w.colocated and w.sleep_level == 1:
+    if w.colocated and sleep_level == 1:
         plan.host_rows["engine weights (sleep level 1 copy)"] = engine_weights
     plan.why = _reasons(plan, kept, redone)
     return plan
@@ -475,12 +478,12 @@ def _reasons(plan: MemoryPlan, kept: int, redone: int) -> list[str]:
         else:
             out.append(f"KV cache {kv} (vllm_gpu_memory_utilization={w.kv})")
     if w.colocated:
-        if w.sleep_level is None:
+        if plan.sleep_level is None:
             why = "it fits beside the train phase" if w.sleep_auto else "vllm_enable_sleep_mode=False"
             out.append(f"engine awake through training ({why})")
         else:
             why = "awake it does not fit beside the train phase" if w.sleep_auto else "vllm_enable_sleep_mode=True"
-            out.append(f"engine sleeps at level {w.sleep_level} while training ({why})")
+            out.append(f"engine sleeps at level {plan.sleep_level} while training ({why})")
     name = ("generate", "train", "optimizer step")[plan.totals().index(plan.peak)]
     verdict = "fits" if plan.fits else "does NOT fit"
     out.append(f"predicted peak {size(plan.peak)} ({name}) of {size(usable)} usable: {verdict}")

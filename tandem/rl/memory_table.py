@@ -73,17 +73,17 @@ def format_plan(plan: MemoryPlan, title: str = "") -> str:
     )
     if w.colocated:
         freed = plan.rows["engine weights"][0] + plan.kv_cache_bytes
-        if w.sleep_level is None:
+        if plan.sleep_level is None:
             lines.append(
                 f"  the engine stays awake: its weights and KV cache, {freed / scale:.2f} {unit}, "
                 "stay through training"
             )
         else:
             copy = (
-                " (level 1 keeps the weights in pinned host memory)" if w.sleep_level == 1 else ""
+                " (level 1 keeps the weights in pinned host memory)" if plan.sleep_level == 1 else ""
             )
             lines.append(
-                f"  sleep level {w.sleep_level} frees the engine's weights and KV cache, "
+                f"  sleep level {plan.sleep_level} frees the engine's weights and KV cache, "
                 f"{freed / scale:.2f} {unit}, before training{copy}"
             )
     for name, b in plan.host_rows.items():

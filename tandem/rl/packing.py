@@ -27,18 +27,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     boundaries cu_seqlens [B + 1] (int32), the longest row, and where each row starts.
     `seq_lens_cpu`: the rows' lengths on the host, where the caller has them: the packing is then
     planned there and the device is not read back."""
-    if seq_lens_cpu is not None:
-        return _pack_from_host(input_ids, seq_lens_cpu.to(torch.int64))
-    lengths = attention_mask.sum(-1).to(torch.int32)  # no row is left-padded (rollout.pack)
-    valid = attention_mask.bool()
-    starts = torch.cumsum(lengths, 0) - lengths
-    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-    return {"input_ids": input_ids[valid][None], "position_ids": positions[valid][None],
-            "cu_seqlens": cu, "max_len": int(lengths.max()), "row_starts": starts}
-
-
-def _pack_from_host(input_ids: torch.Tensor, lengths: torch.Tensor) -> dict:
+    # no row is left-padded (rollout.pack): a row's tokens are its first `length`
+    lengths = (attention_mask.sum(-1).cpu() if seq_lens_cpu is None else seq_lens_cpu).to(torch.int64)
     B, L = input_ids.shape
     cu = F.pad(torch.cumsum(lengths, 0), (1, 0))
     row = torch.repeat_interleave(torch.arange(B), lengths)  # [S]: each packed token's row

@@ -137,7 +137,7 @@ class GRPOTrainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             self.generator = ServerGenerator(client, self.model, backend, torch.bfloat16 if self.use_bf16 else None)
         else:
-            sleep_level = self.memory_plan.work.sleep_level  # the plan's (vllm_enable_sleep_mode)
+            sleep_level = self.memory_plan.sleep_level  # the plan's (vllm_enable_sleep_mode)
             check = None if peft_config is None else functools.partial(lora.check_engine_has_adapter, self.model)
             self.generator = ColocatedGenerator(self.llm, self.model, sleep_level, engine_weights, check)
         self.structured_outputs = (None if args.vllm_structured_outputs_regex is None
@@ -162,7 +162,7 @@ class GRPOTrainer:
                                    self.dist, args, self.device, self.use_bf16, self.memory_plan, scorer)
         self.memory_plan = self.update.memory_plan  # with the activations measured on the model
         if args.vllm_mode == "colocate":  # measured, the plan may put the engine to sleep after all
-            self.generator.sleep_level = self.memory_plan.work.sleep_level
+            self.generator.sleep_level = self.memory_plan.sleep_level
         if self.dist.is_main:  # on stdout, whatever the logging level: what the run will hold, and why
             print(self.memory_plan.format(f"memory plan ({self._model_name(model)})"), flush=True)
         self.peak_memory = PeakMemory(self.device)
@@ -269,8 +269,8 @@ class GRPOTrainer:
         a = self.args
         kv = memory_setup.engine_kv_kwargs(self.memory_plan, a, engine_kwargs)
         llm = LLM(self.model, tokenizer=self.tokenizer, **kv, **self._engine_settings(engine_kwargs))
-        if self.memory_plan.work.sleep_level is not None:
-            llm.sleep(self.memory_plan.work.sleep_level)
+        if self.memory_plan.sleep_level is not None:
+            llm.sleep(self.memory_plan.sleep_level)
         return llm
 
     # -- the loop ------------------------------------------------------------------------------------

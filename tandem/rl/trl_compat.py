@@ -47,7 +47,7 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "liger_kernel_config": (None, IGNORE, "tandem's loss is its own chunked logprob kernel"),
     "use_cache": (False, IGNORE, "the engine keeps its own KV cache"),
     "neftune_noise_alpha": (None, REFUSE, "NEFTune is for supervised fine-tuning, not GRPO"),
-    "torch_empty_cache_steps": (None, IGNORE, "the engine's sleep releases its memory every step"),
+    "torch_empty_cache_steps": (None, IGNORE, "the memory plan decides; a sleeping engine empties torch's cache each step"),
     "auto_find_batch_size": (False, REFUSE, "set per_device_train_batch_size yourself"),
     "log_on_each_node": (True, IGNORE, "rank 0 logs"),
     "logging_nan_inf_filter": (True, IGNORE, "non-finite values are logged as null"),

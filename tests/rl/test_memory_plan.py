@@ -172,3 +172,14 @@ def test_autocast_weight_copies_are_a_fixed_cost():
     assert (
         ActivationCost(10, 5, 2).bytes_for(8, row_len=4) == 5 + 80 + 2 * 2 * 16
     )  # two rows of four
+
+
+def test_an_awake_plan_replanned_on_less_memory_puts_the_engine_to_sleep():
+    """The sleep choice is the plan's, the workload keeps the configured level: the measured
+    re-plan (`plan_with_measured_activations` re-plans from `plan.work`) can still pick sleep."""
+    auto = replace(WORK, sleep_auto=True, gradient_checkpointing=False, optim_offload=False)
+    awake = plan_memory(SIZES, auto, device(200))
+    assert awake.fits and awake.sleep_level is None and awake.work.sleep_level == 2
+    short = (awake.peak - awake.rows["engine weights"][1] / 2) / GIB  # usable: awake no longer fits
+    asleep = plan_memory(SIZES, awake.work, device(short / 0.98 + 1 / 0.98))
+    assert asleep.fits and asleep.sleep_level == 2 and asleep.rows["KV cache"][1] is None

@@ -84,7 +84,7 @@ def test_the_plan_keeps_the_engine_awake_where_it_fits_and_puts_it_to_sleep_wher
     same run either way."""
     auto = {**OPEN, "vllm_enable_sleep_mode": None}
     awake = make_trainer(tmp_path / "awake", **auto)
-    assert awake.memory_plan.work.sleep_level is None and awake.generator.sleep_level is None
+    assert awake.memory_plan.sleep_level is None and awake.generator.sleep_level is None
     assert "engine awake through training (it fits beside the train phase)" in awake.memory_plan.why
     assert not awake.memory_plan.recompute and not awake.llm.llm_engine.is_sleeping
     same_run(awake, roomy)
@@ -92,7 +92,7 @@ def test_the_plan_keeps_the_engine_awake_where_it_fits_and_puts_it_to_sleep_wher
     plan = roomy[0]  # asleep, nothing recomputed: the awake plan needs the engine's bytes on top
     budget_between(monkeypatch, plan.peak, awake.memory_plan.peak)
     asleep = make_trainer(tmp_path / "asleep", **auto)
-    assert asleep.memory_plan.work.sleep_level == 2 and asleep.generator.sleep_level == 2
+    assert asleep.memory_plan.sleep_level == 2 and asleep.generator.sleep_level == 2
     assert not asleep.memory_plan.recompute and asleep.memory_plan.kv_cache_bytes == plan.kv_cache_bytes
     assert any("awake it does not fit" in why for why in asleep.memory_plan.why)
     same_run(asleep, roomy)
