@@ -14,18 +14,27 @@ import contextlib
 import gc
 
 
+_depth = 0  # frozen_heap blocks open now (process-wide, as the freeze is)
+
+
 @contextlib.contextmanager
 def frozen_heap():
-    """Freeze what exists now for the duration of the block. A no-op inside another freeze
-    (anyone's): only the outermost unfreezes, and only what it froze is pending then."""
-    if gc.get_freeze_count():
+    """Freeze what exists now for the duration of the block; a no-op inside another frozen_heap
+    (only the outermost unfreezes). A freeze made by someone else before (a host's sitecustomize
+    freezing its few hundred start-up objects, a forking server) does not stand in for this one:
+    the heap that exists now is frozen all the same, and on exit `gc.unfreeze`, which cannot give
+    back only what this block froze, returns those objects to the collector too."""
+    global _depth
+    if _depth:
         yield
         return
+    _depth += 1
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()  # the frozen objects are collectable again (garbage among them included)
+        _depth -= 1
 
 
 def freeze_for_good() -> None:

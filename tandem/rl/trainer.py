@@ -359,8 +359,9 @@ class GRPOTrainer:
     def _step(self) -> dict:
         a = self.args
         marks = [time.perf_counter()]  # phase boundaries: weight sync | generate | reward | train
-        self.peak_memory.begin("generate", engine_outside_bytes(self.llm, awake=True))
         self.generator.sync()
+        # after the wake: it empties the cache the train phase reserved, which must not count here
+        self.peak_memory.begin("generate", engine_outside_bytes(self.llm, awake=True))
         marks.append(time.perf_counter())
         indices = self.dist.shard(self.sampler.next_batch())  # this rank's prompts of the global batch
         batch = build_prompt_batch(self.train_dataset, indices, self.tokenizer,
