@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -14,8 +15,61 @@ class Logprob:
     decoded_token: str | None = None
 
 
+@dataclass
+class FlatLogprobs(Sequence):
+    """A sample's logprobs as flat lists (vLLM's FlatLogprobs): position i is the dict
+    {token id: Logprob} of entries start_indices[i]:end_indices[i], made when it is read. A
+    rollout of 256 x 256 tokens as dicts is 131k objects the cyclic GC walks in every full pass
+    until they are freed; these are six lists. The sampled token is each position's first entry."""
+
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def append(self, position: dict[int, Logprob]) -> None:
+        self.start_indices.append(len(self.token_ids))
+        for token_id, lp in position.items():
+            self.token_ids.append(token_id)
+            self.logprobs.append(lp.logprob)
+            self.ranks.append(lp.rank)
+            self.decoded_tokens.append(lp.decoded_token)
+        self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return FlatLogprobs._of(self[j] for j in range(*i.indices(len(self))))
+        a, b = self.start_indices[i], self.end_indices[i]
+        return {self.token_ids[j]: Logprob(self.logprobs[j], self.ranks[j], self.decoded_tokens[j])
+                for j in range(a, b)}
+
+    def __add__(self, other):
+        out = FlatLogprobs._of(self)
+        for position in other:
+            out.append(position)
+        return out
+
+    def __radd__(self, other):  # list + this (and list += this, which Python routes here): a list
+        return [*other, *self]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
+
+    @staticmethod
+    def _of(positions) -> FlatLogprobs:
+        out = FlatLogprobs()
+        for position in positions:
+            out.append(position)
+        return out
+
+
 # One entry per generated position: token id -> Logprob.
-SampleLogprobs = list[dict[int, Logprob]]
+SampleLogprobs = FlatLogprobs | list[dict[int, Logprob]]
 
 
 @dataclass

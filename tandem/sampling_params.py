@@ -106,6 +106,9 @@ class SamplingParams:
         self.frequency_penalty = check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         for name in ("skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             check_bool(name, getattr(self, name))
+        if self.stop_strings and not self.detokenize:
+            raise ValueError("stop strings are matched in the detokenized text: stop needs "
+                             f"detokenize=True (got stop={self.stop!r}, detokenize=False)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(

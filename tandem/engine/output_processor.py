@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.stop_checker import check_stop, find_stop_string
-from tandem.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -167,20 +167,28 @@ class OutputProcessor:
             seq.output_token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens
         )
 
-    def _logprobs(self, seq: Sequence, start: int) -> list[dict[int, Logprob]] | None:
-        if seq.sampling_params.logprobs is None:
+    def _logprobs(self, seq: Sequence, start: int) -> FlatLogprobs | None:
+        """Positions start.. of the sample's logprobs; decoded_token only with detokenize (as vLLM)."""
+        params = seq.sampling_params
+        if params.logprobs is None:
             return None
-        text = self._token_text
-        out = []
+        text = self._token_text if params.detokenize else None
+        end, p = len(seq.output_ranks), seq.num_prompt_tokens
         tops = seq.top_logprobs
-        ids, p = seq.token_ids, seq.num_prompt_tokens
-        for i in range(start, len(seq.output_ranks)):
+        if not tops:  # one entry per position, the sampled token: the lists are slices
+            out = FlatLogprobs(list(range(end - start)), list(range(1, end - start + 1)),
+                               seq.token_ids[p + start : p + end], seq.output_logprobs[start:end],
+                               seq.output_ranks[start:end])
+            out.decoded_tokens = [None] * len(out) if text is None else [text(t) for t in out.token_ids]
+            return out
+        out = FlatLogprobs()
+        ids = seq.token_ids
+        for i in range(start, end):
             t = ids[p + i]
-            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text(t))}
-            if tops:
-                for t_k, (lp_k, rank_k) in tops[i].items():
-                    if t_k not in entry:
-                        entry[t_k] = Logprob(lp_k, rank_k, text(t_k))
+            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text and text(t))}
+            for t_k, (lp_k, rank_k) in tops[i].items():
+                if t_k not in entry:
+                    entry[t_k] = Logprob(lp_k, rank_k, text and text(t_k))
             out.append(entry)
         return out
 

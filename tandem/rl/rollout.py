@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.outputs import FlatLogprobs
 from tandem.rl.data import PromptBatch
 from tandem.sampling_params import SamplingParams
 
@@ -36,8 +37,11 @@ def generate_rollout(llm, batch: PromptBatch, num_generations: int, params: Samp
     global index of batch.prompt_ids[0] when a data-parallel rank holds a slice of the batch, so
     each prompt samples as it would in the single-process run.
     """
+    # The texts are decoded once, in one batch, at the end (no per-token logprob text either);
+    # stop strings are matched in the engine's detokenized text, so they keep it.
+    detokenize = bool(params.stop_strings)
     per_prompt = [
-        params.clone(n=num_generations, logprobs=0,
+        params.clone(n=num_generations, logprobs=0, detokenize=detokenize,
                      seed=None if seed is None else seed + (prompt_offset + i) * num_generations)
         for i in range(len(batch.prompt_ids))
     ]
@@ -47,10 +51,21 @@ def generate_rollout(llm, batch: PromptBatch, num_generations: int, params: Samp
         for c in out.outputs:
             r.prompt_ids.append(ids)
             r.completion_ids.append(list(c.token_ids))
-            r.engine_logps.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+            r.engine_logps.append(sampled_logprobs(c))
             r.truncated.append(c.finish_reason == "length")
             r.texts.append(c.text)
+    tokenizer = llm.get_tokenizer()
+    if not detokenize and tokenizer is not None:
+        r.texts = tokenizer.batch_decode(r.completion_ids, skip_special_tokens=params.skip_special_tokens)
     return r
+
+
+def sampled_logprobs(c) -> list[float]:
+    """The logprob of each sampled token of a completion asked with logprobs=0."""
+    lp = c.logprobs
+    if isinstance(lp, FlatLogprobs) and len(lp.token_ids) == len(lp):  # one entry a position
+        return lp.logprobs
+    return [position[t].logprob for position, t in zip(lp, c.token_ids)]
 
 
 def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bool = False) -> dict:
