@@ -38,20 +38,36 @@ class FlatLogprobs(Sequence):
             self.decoded_tokens.append(lp.decoded_token)
         self.end_indices.append(len(self.token_ids))
 
+    def extend(self, positions) -> None:
+        """Append every position of `positions` (another FlatLogprobs: list by list, no dicts)."""
+        if not isinstance(positions, FlatLogprobs):
+            for position in positions:
+                self.append(position)
+            return
+        shift = len(self.token_ids)
+        self.start_indices += [a + shift for a in positions.start_indices]
+        self.end_indices += [b + shift for b in positions.end_indices]
+        self.token_ids += positions.token_ids
+        self.logprobs += positions.logprobs
+        self.ranks += positions.ranks
+        self.decoded_tokens += positions.decoded_tokens
+
     def __len__(self) -> int:
         return len(self.start_indices)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return FlatLogprobs._of(self[j] for j in range(*i.indices(len(self))))
+            out = FlatLogprobs()
+            out.extend(self[j] for j in range(*i.indices(len(self))))
+            return out
         a, b = self.start_indices[i], self.end_indices[i]
         return {self.token_ids[j]: Logprob(self.logprobs[j], self.ranks[j], self.decoded_tokens[j])
                 for j in range(a, b)}
 
     def __add__(self, other):
-        out = FlatLogprobs._of(self)
-        for position in other:
-            out.append(position)
+        out = FlatLogprobs()
+        out.extend(self)
+        out.extend(other)
         return out
 
     def __radd__(self, other):  # list + this (and list += this, which Python routes here): a list
@@ -59,13 +75,6 @@ class FlatLogprobs(Sequence):
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and not isinstance(other, str) and list(self) == list(other)
-
-    @staticmethod
-    def _of(positions) -> FlatLogprobs:
-        out = FlatLogprobs()
-        for position in positions:
-            out.append(position)
-        return out
 
 
 # One entry per generated position: token id -> Logprob.

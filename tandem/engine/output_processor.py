@@ -181,14 +181,17 @@ class OutputProcessor:
                                seq.output_ranks[start:end])
             out.decoded_tokens = [None] * len(out) if text is None else [text(t) for t in out.token_ids]
             return out
+        def decoded(t: int) -> str | None:
+            return None if text is None else text(t)
+
         out = FlatLogprobs()
         ids = seq.token_ids
         for i in range(start, end):
             t = ids[p + i]
-            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], text and text(t))}
+            entry = {t: Logprob(seq.output_logprobs[i], seq.output_ranks[i], decoded(t))}
             for t_k, (lp_k, rank_k) in tops[i].items():
                 if t_k not in entry:
-                    entry[t_k] = Logprob(lp_k, rank_k, text and text(t_k))
+                    entry[t_k] = Logprob(lp_k, rank_k, decoded(t_k))
             out.append(entry)
         return out
 
