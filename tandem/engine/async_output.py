@@ -23,6 +23,8 @@ class AsyncSamplerOutput:
         # its constrained rows' grammars take this step's tokens before the next step samples
         self.advances_grammars = advances_grammars
         self.grammars_advanced = False
+        # the grammars are taking them on the model runner's worker (the read-back holds those rows)
+        self.grammar_verdicts_pending = False
         # float64 holds every token id exactly: one copy carries ids and logprobs
         packed = [torch.stack([sampled.token_ids.double(), sampled.logprobs.double()]),
                   sampled.topk_ids, sampled.topk_logprobs, sampled.ranks]

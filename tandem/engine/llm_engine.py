@@ -54,6 +54,10 @@ class LLMEngine:
         # the launched step whose sampled tokens the host has not read yet
         self._in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None = None
         self._drained: list[RequestOutput] = []
+        # grammars taking the in-flight step's tokens on the model runner's worker thread: their
+        # sequences, and the ones the read-back held back for the verdicts (with their requests)
+        self._grammar_rows: list[tuple[Sequence, int]] = []
+        self._grammar_held: list[tuple[Sequence, RequestState]] = []
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._structured: StructuredOutputManager | None = None  # made at the first constraint
@@ -276,12 +280,16 @@ class LLMEngine:
         prev = in_flight[1].token_ids if in_flight is not None else None
         advance = None
         if in_flight is not None and in_flight[1].advances_grammars:
-            advance = functools.partial(self._advance_grammars, *in_flight)
+            advance = functools.partial(self._grammar_tokens, *in_flight)
         # a step with grammar masks reads the in-flight step back while its masks are filled
-        sampled = self.worker.execute_model(sched, prev, advance, self.drain if self.async_scheduling else None)
+        runner = self.worker.model_runner
+        try:
+            sampled = self.worker.execute_model(sched, prev, advance, self.drain if self.async_scheduling else None)
+        finally:
+            if in_flight is not None and in_flight[1].grammar_verdicts_pending:
+                self._apply_grammar_verdicts(in_flight[1], runner.take_grammar_verdicts())
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
-        runner = self.worker.model_runner
         return AsyncSamplerOutput(sampled, runner.sampling_reads_history,
                                   runner.sampling_advances_grammars)
 
@@ -302,6 +310,11 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         self._postprocess(*self._in_flight, touched)
         self._in_flight = None
+        for _, state in self._grammar_held:  # their outputs come with the grammars' verdicts
+            touched.pop(state.request_id, None)
+        self._make_outputs(touched)
+
+    def _make_outputs(self, touched: dict[str, RequestState]) -> None:
         self._drained += [out for st in touched.values() if (out := self.output_processor.make_output(st)) is not None]
 
     def _take_drained(self) -> list[RequestOutput]:
@@ -329,6 +342,9 @@ class LLMEngine:
             self.num_generated_tokens += 1
             stop = outputs.check_stop(state, seq)
             if seq.matcher is not None and stop is None:
+                if sampled.grammar_verdicts_pending:  # its grammar is taking the token right now
+                    self._grammar_held.append((seq, state))
+                    continue
                 if not sampled.grammars_advanced:
                     self._advance_grammar(seq, token_ids[row])
                 stop = seq.grammar_stop
@@ -337,24 +353,48 @@ class LLMEngine:
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
 
-    def _advance_grammars(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:
-        """The in-flight step's constrained rows: their grammars take the sampled tokens now (the
-        rest of the step's read-back comes later, in drain)."""
+    def _grammar_tokens(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> list[tuple[object, int]]:
+        """The in-flight step's constrained rows, as (matcher, sampled token) pairs for the model
+        runner to consume before it fills this step's masks; the verdicts come back through
+        `_apply_grammar_verdicts` (the read-back meanwhile holds those rows' stops and outputs)."""
         token_ids = sampled.get()[0]
+        rows, pairs = [], []
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if smp:
                 row += 1
                 if seq.matcher is not None and seq.has_placeholder:
-                    self._advance_grammar(seq, token_ids[row])
-        sampled.grammars_advanced = True
+                    rows.append((seq, token_ids[row]))
+        self._grammar_rows = rows
+        sampled.grammars_advanced = sampled.grammar_verdicts_pending = True
+        return [(seq.matcher, token) for seq, token in rows]
+
+    def _apply_grammar_verdicts(self, sampled: AsyncSamplerOutput, accepted: list[bool] | None) -> None:
+        """Each grammar has taken its token (accepted[i] for _grammar_rows[i]): a sample ends when
+        its grammar refused the token or is complete and can take nothing more. The rows the
+        read-back held back finish now and get their outputs."""
+        rows, self._grammar_rows = self._grammar_rows, []
+        sampled.grammar_verdicts_pending = False
+        if accepted is None:  # the step failed before the runner consumed them: consume here
+            for seq, token in rows:
+                self._advance_grammar(seq, token)
+        else:
+            for (seq, _), ok in zip(rows, accepted):
+                if not ok or seq.matcher.is_stopped():
+                    seq.grammar_stop = ("stop", None)
+        held, self._grammar_held = self._grammar_held, []
+        touched: dict[str, RequestState] = {}
+        for seq, state in held:
+            if seq.grammar_stop is not None:
+                self.scheduler.finish(seq, *seq.grammar_stop)
+            if self.output_processor.output_due(state, seq):
+                touched[state.request_id] = state
+        self._make_outputs(touched)
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token_id: int) -> None:
         """The sample's grammar takes its new token; it ends when the grammar is complete and
-        can take nothing more (or, should a token break it, at once). One by one: on the H200
-        host llguidance's `consume_token_par` made a 256-row structured step slower (6.27 against
-        4.89 ms on a 1.5B-shaped model), each token being a microsecond's work."""
+        can take nothing more (or, should a token break it, at once)."""
         if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
             seq.grammar_stop = ("stop", None)
 

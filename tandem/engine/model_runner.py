@@ -366,9 +366,10 @@ class ModelRunner:
     def run(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
             before_sampling=None, while_masking=None) -> SamplerOutput | None:
         """Launch the step; returns device tensors without waiting for the device.
-        `before_sampling` runs once the forward is launched (the engine advances grammars there,
-        while the device computes the forward); `while_masking` runs on this thread while a
-        worker thread fills the step's grammar masks (the engine reads the previous step back)."""
+        `before_sampling` runs once the forward is launched and returns the grammars that take the
+        in-flight step's tokens first, as (matcher, token) pairs (`take_grammar_verdicts` says
+        which accepted); `while_masking` runs on this thread while a worker thread has them take
+        the tokens and fills the step's grammar masks (the engine reads the previous step back)."""
         plp_rows = self._prompt_logprob_rows(sched)
         input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
         graphs = self.graph_runner
@@ -400,22 +401,32 @@ class ModelRunner:
                 return SamplerOutput(token_ids=empty, logprobs=empty.float(),
                                      prompt_logprobs=prompt_lps)
             logits = self.model.compute_logits(hidden if rows is None else hidden[rows])
-        if before_sampling is not None:
-            before_sampling()
+        # (matcher, token) pairs: grammars that take the in-flight step's tokens before the masks
+        advance = before_sampling() if before_sampling is not None else None
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
         m = self.prepare_sampling(sampling_seqs)
+        filler = self.fill_bitmask
         if m.structured_rows is not None:  # filled on the host, copied without waiting
             matchers = [sampling_seqs[r].matcher for r in m.structured_rows_cpu]
             if while_masking is not None:
-                pending = self.fill_bitmask.fill_async(matchers)
+                pending = filler.fill_async(matchers, advance or [])
                 while_masking()
                 mask = pending.result()
             else:
-                mask = self.fill_bitmask(matchers)
+                if advance:
+                    filler.advance(advance)
+                mask = filler(matchers)
             m.grammar_bitmask = mask.to(self.device, non_blocking=True)
+        elif advance:
+            filler.advance(advance)
         out = self.sampler(logits, m)
         out.prompt_logprobs = prompt_lps
         return out
+
+    def take_grammar_verdicts(self) -> list[bool] | None:
+        """Whether each pair `before_sampling` handed the last step accepted its token (None if
+        the step stopped before they were consumed)."""
+        return self.fill_bitmask.take_accepted()
 
     @staticmethod
     def _prompt_logprob_rows(sched: SchedulerOutput) -> list[tuple[int, int, int, int]]:

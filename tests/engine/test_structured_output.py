@@ -75,20 +75,41 @@ def test_constrained_rows_beside_free_ones(llm):
 
 
 def test_async_scheduling_gives_the_same_outputs(llm):
-    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=48, structured_outputs=so)
-    sync = [c.text for o in llm.generate(PROMPTS, params, use_tqdm=False) for c in o.outputs]
+    """Under async scheduling the grammars take the in-flight step's tokens on the worker thread
+    while the engine reads that step back; the outputs, finish reasons included (a choice's
+    grammar completes mid-run, a JSON object's at its closing brace or the length cap), are the
+    synchronous engine's."""
+    json_so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    choice_so = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
+    params = [SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=48, structured_outputs=json_so),
+              SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True,
+                             structured_outputs=choice_so)]
+
+    def run(engine):
+        outs = engine.generate([p for p in PROMPTS for _ in params], params * len(PROMPTS), use_tqdm=False)
+        return [(c.text, c.finish_reason, c.token_ids) for o in outs for c in o.outputs]
+
+    sync = run(llm)
     tok = llm.get_tokenizer()
     other = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
                 async_scheduling=True)
     filler = other.llm_engine.worker.model_runner.fill_bitmask
     fills = []
     fill_async = filler.fill_async
-    filler.fill_async = lambda matchers: fills.append(len(matchers)) or fill_async(matchers)
-    got = [c.text for o in other.generate(PROMPTS, params, use_tqdm=False) for c in o.outputs]
+    filler.fill_async = lambda matchers, advance=(): fills.append((len(matchers), len(advance))) or \
+        fill_async(matchers, advance)
+    got = run(other)
     assert got == sync
-    # the masks were filled on the worker thread while the engine read the previous step back
-    assert fills and max(fills) == 2 * len(PROMPTS)
+    per_prompt = [got[i : i + 5] for i in range(0, len(got), 5)]
+    for outs in per_prompt:
+        for text, reason, _ in outs[:2]:
+            assert reason == "length" or jsonschema.validate(json.loads(text), SCHEMA) is None
+        assert all(text in ("yes", "no", "maybe so") and reason == "stop" for text, reason, _ in outs[2:])
+    # the grammars took their tokens and the masks were filled on the worker thread, every
+    # constrained row at once, while the engine read the previous step back
+    assert fills and max(a for _, a in fills) == 5 * len(PROMPTS)
+    assert all(a <= m for m, a in fills)
+    assert other.llm_engine._grammar_held == [] and other.llm_engine._grammar_rows == []
     assert_no_leak(other)
 
 
@@ -99,3 +120,51 @@ def test_bad_constraints_are_refused(llm):
         llm.generate(PROMPTS[:1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[0-9")),
                      use_tqdm=False)
     assert_no_leak(llm)
+
+
+def _mask_bits(mask) -> list[int]:
+    """The token ids a [1, words] int32 bitmask allows."""
+    words = mask.view(-1).tolist()
+    return [32 * w + b for w, word in enumerate(words) for b in range(32) if (word >> b) & 1]
+
+
+def test_compiled_grammars_start_with_their_first_mask_and_give_the_same_masks(llm):
+    """The manager computes a grammar's first mask on its template at compile time (copies inherit
+    llguidance's cached mask); along the same tokens a copy's masks are a fresh matcher's."""
+    import llguidance
+
+    from tandem.engine.structured_output import BitmaskFiller, grammar_source
+
+    engine = llm.llm_engine
+    manager = engine.structured_outputs
+    V = engine.hf_config.vocab_size
+    filler = BitmaskFiller(V, pin=False)
+    for so in (StructuredOutputsParams(regex=r"[a-z ]{0,12}"), StructuredOutputsParams(json=SCHEMA)):
+        copy = manager.matcher(so)
+        fresh = llguidance.LLMatcher(manager.tokenizer, grammar_source(so), log_level=0)
+        for step in range(6):
+            allowed = _mask_bits(filler([copy]))
+            assert allowed == _mask_bits(filler([fresh])) and allowed
+            token = allowed[(7 * step + 3) % len(allowed)]
+            assert copy.consume_token(token) and fresh.consume_token(token)
+            if copy.is_stopped():
+                break
+
+
+def test_bitmask_filler_advance_reports_refused_tokens(llm):
+    """`advance` (the worker's consume before a fill) says which matcher refused its token, once;
+    a refused token leaves that matcher in error and the others as they were."""
+    from tandem.engine.structured_output import BitmaskFiller
+
+    engine = llm.llm_engine
+    manager = engine.structured_outputs
+    filler = BitmaskFiller(engine.hf_config.vocab_size, pin=False)
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    matchers = [manager.matcher(so) for _ in range(3)]
+    good = _mask_bits(filler([matchers[0]]))
+    bad = next(t for t in range(engine.hf_config.vocab_size) if t not in set(good))
+    assert filler.take_accepted() is None
+    assert filler.advance([(matchers[0], good[0]), (matchers[1], bad), (matchers[2], good[-1])]) == [True, False, True]
+    assert filler.take_accepted() == [True, False, True] and filler.take_accepted() is None
+    assert matchers[1].is_error() and not matchers[0].is_error() and not matchers[2].is_error()
+    assert filler.advance([(matchers[0], bad)]) == [False]  # one row: consumed on this thread
