@@ -42,6 +42,10 @@ class AsyncSamplerOutput:
         self._lists = None
         self.wait_s = 0.0  # how long `get` waited for the device to finish the step
 
+    def ready(self) -> bool:
+        """Whether the device has finished the step (its tokens can be read without waiting)."""
+        return self._event is None or self._event.query()
+
     def get(self) -> tuple[list[int], list[float], list | None, list | None, list | None]:
         """(token ids, logprobs, top-k ids, top-k logprobs, ranks) as Python lists."""
         if self._lists is None:

@@ -252,18 +252,31 @@ class LLMEngine:
         host's work hides behind the device's; outputs come one step later, identical otherwise.
         """
         t0 = time.perf_counter()
-        if self._in_flight is not None and self._in_flight[1].reads_history:
+        in_flight = self._in_flight
+        if in_flight is not None and in_flight[1].reads_history:
             self.drain()  # penalties count every output token: no placeholders in the next batch
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self._in_flight is None:
-                self._check_progress()
-            self.drain()
-            return self._take_drained()
-        sampled = self._launch(sched)  # the device starts on this step...
+        elif in_flight is not None and in_flight[1].advances_grammars and in_flight[1].ready():
+            # its tokens are back already (the host is the slower side): the grammars take them on
+            # the worker while this step is scheduled and launched
+            self.worker.model_runner.fill_bitmask.advance_async(self._grammar_tokens(*in_flight))
+        try:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self._in_flight is None:
+                    self._check_progress()
+                self.drain()
+                return self._take_drained()
+            sampled = self._launch(sched)  # the device starts on this step...
+        finally:
+            self._settle_grammars(in_flight)
         self.drain()  # ...while the host takes in the previous one's tokens
         self._book(sched, sampled, t0)
         return self._take_drained()
+
+    def _settle_grammars(self, in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None) -> None:
+        """Apply the verdicts of grammars that took the in-flight step's tokens on the worker."""
+        if in_flight is not None and in_flight[1].grammar_verdicts_pending:
+            self._apply_grammar_verdicts(in_flight[1], self.worker.model_runner.take_grammar_verdicts())
 
     def _check_progress(self) -> None:
         if self.scheduler.waiting and not self.scheduler.running:
@@ -279,15 +292,14 @@ class LLMEngine:
         in_flight = self._in_flight
         prev = in_flight[1].token_ids if in_flight is not None else None
         advance = None
-        if in_flight is not None and in_flight[1].advances_grammars:
+        if in_flight is not None and in_flight[1].advances_grammars and not in_flight[1].grammars_advanced:
             advance = functools.partial(self._grammar_tokens, *in_flight)
         # a step with grammar masks reads the in-flight step back while its masks are filled
         runner = self.worker.model_runner
         try:
             sampled = self.worker.execute_model(sched, prev, advance, self.drain if self.async_scheduling else None)
         finally:
-            if in_flight is not None and in_flight[1].grammar_verdicts_pending:
-                self._apply_grammar_verdicts(in_flight[1], runner.take_grammar_verdicts())
+            self._settle_grammars(in_flight)
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
         return AsyncSamplerOutput(sampled, runner.sampling_reads_history,

@@ -130,8 +130,9 @@ class BitmaskFiller:
         self.words = (vocab_size + 31) // 32  # int32 words per row
         self.pin = pin
         self._executor = None
-        self._thread = None  # the one thread that waits on the executor for `fill_async`
+        self._thread = None  # the one thread that runs `advance_async` and `fill_async` in order
         self._accepted: list[bool] | None = None  # the last `advance`'s, until taken
+        self._advancing: Future | None = None  # an `advance_async` not waited for yet
 
     def _pool(self):
         if self._executor is None:
@@ -140,9 +141,24 @@ class BitmaskFiller:
             self._executor = LLExecutor(POOL_THREADS)
         return self._executor
 
+    def _worker(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        return self._thread
+
+    def _settle(self) -> None:
+        """Wait for an `advance_async` still running: its matchers are the worker's until then."""
+        if self._advancing is not None:
+            pending, self._advancing = self._advancing, None
+            pending.result()
+
     def advance(self, pairs: list[tuple[object, int]]) -> list[bool]:
         """Each matcher takes its token; whether each accepted it (`take_accepted` gives it
         again). A refused token leaves its matcher in error."""
+        self._settle()
+        return self._advance(pairs)
+
+    def _advance(self, pairs: list[tuple[object, int]]) -> list[bool]:
         if len(pairs) == 1:
             matcher, token = pairs[0]
             accepted = [matcher.consume_token(token)]
@@ -151,13 +167,24 @@ class BitmaskFiller:
         self._accepted = accepted
         return accepted
 
+    def advance_async(self, pairs: list[tuple[object, int]]) -> None:
+        """`advance` on the worker thread; a later fill (`fill_async`, or on this thread) and
+        `take_accepted` come after it."""
+        self._settle()
+        self._advancing = self._worker().submit(self._advance, pairs)
+
     def take_accepted(self) -> list[bool] | None:
         """The last `advance`'s verdicts, once (None if none came since the last take)."""
+        self._settle()
         accepted, self._accepted = self._accepted, None
         return accepted
 
     def __call__(self, matchers: list) -> torch.Tensor:
         """[R, ceil(V / 32)] int32 on the host: bit t of row r set where token t may come next."""
+        self._settle()
+        return self._fill(matchers)
+
+    def _fill(self, matchers: list) -> torch.Tensor:
         mask = torch.empty((len(matchers), self.words), dtype=torch.int32, pin_memory=self.pin)
         if len(matchers) == 1:
             matchers[0].unsafe_compute_mask_ptr(mask.data_ptr(), self.words * 4)
@@ -167,14 +194,12 @@ class BitmaskFiller:
         return mask
 
     def fill_async(self, matchers: list, advance: list[tuple[object, int]] = ()) -> Future:
-        """`advance`'s matchers take their tokens, then the bitmask of `matchers` is filled, on a
-        worker thread; `.result()` gives the bitmask."""
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-grammar")
+        """`advance`'s matchers take their tokens, then the bitmask of `matchers` is filled, on the
+        worker thread (after an `advance_async` before it); `.result()` gives the bitmask."""
 
         def job():
             if advance:
-                self.advance(advance)
-            return self(matchers)
+                self._advance(advance)
+            return self._fill(matchers)
 
-        return self._thread.submit(job)
+        return self._worker().submit(job)

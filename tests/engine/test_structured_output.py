@@ -74,11 +74,15 @@ def test_constrained_rows_beside_free_ones(llm):
     assert outs[1].outputs[0].token_ids == alone
 
 
-def test_async_scheduling_gives_the_same_outputs(llm):
-    """Under async scheduling the grammars take the in-flight step's tokens on the worker thread
-    while the engine reads that step back; the outputs, finish reasons included (a choice's
-    grammar completes mid-run, a JSON object's at its closing brace or the length cap), are the
-    synchronous engine's."""
+@pytest.mark.parametrize("tokens_back", [True, False], ids=["advanced-before-scheduling", "advanced-after-launch"])
+def test_async_scheduling_gives_the_same_outputs(llm, monkeypatch, tokens_back):
+    """Under async scheduling the grammars take the in-flight step's tokens on the worker thread:
+    before the next step is scheduled when those tokens are back already (a host-bound step),
+    else once its forward is launched; the engine reads that step back meanwhile. The outputs,
+    finish reasons included (a choice's grammar completes mid-run, a JSON object's at its
+    closing brace or the length cap), are the synchronous engine's."""
+    from tandem.engine.async_output import AsyncSamplerOutput
+
     json_so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     choice_so = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
     params = [SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=48, structured_outputs=json_so),
@@ -93,11 +97,13 @@ def test_async_scheduling_gives_the_same_outputs(llm):
     tok = llm.get_tokenizer()
     other = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
                 async_scheduling=True)
+    monkeypatch.setattr(AsyncSamplerOutput, "ready", lambda self: tokens_back)
     filler = other.llm_engine.worker.model_runner.fill_bitmask
-    fills = []
-    fill_async = filler.fill_async
+    fills, early = [], []
+    fill_async, advance_async = filler.fill_async, filler.advance_async
     filler.fill_async = lambda matchers, advance=(): fills.append((len(matchers), len(advance))) or \
         fill_async(matchers, advance)
+    filler.advance_async = lambda pairs: early.append(len(pairs)) or advance_async(pairs)
     got = run(other)
     assert got == sync
     per_prompt = [got[i : i + 5] for i in range(0, len(got), 5)]
@@ -105,10 +111,14 @@ def test_async_scheduling_gives_the_same_outputs(llm):
         for text, reason, _ in outs[:2]:
             assert reason == "length" or jsonschema.validate(json.loads(text), SCHEMA) is None
         assert all(text in ("yes", "no", "maybe so") and reason == "stop" for text, reason, _ in outs[2:])
-    # the grammars took their tokens and the masks were filled on the worker thread, every
-    # constrained row at once, while the engine read the previous step back
-    assert fills and max(a for _, a in fills) == 5 * len(PROMPTS)
-    assert all(a <= m for m, a in fills)
+    # every constrained row's grammar took its token on the worker thread in one go, on the path
+    # this case takes, and the masks were filled there while the engine read the step back
+    advanced = early if tokens_back else [a for _, a in fills]
+    assert fills and advanced and max(advanced) == 5 * len(PROMPTS)
+    if tokens_back:
+        assert all(a == 0 for _, a in fills)  # the fills came after the early advances
+    else:
+        assert early == []
     assert other.llm_engine._grammar_held == [] and other.llm_engine._grammar_rows == []
     assert_no_leak(other)
 
