@@ -58,6 +58,7 @@ class LLMEngine:
         # sequences, and the ones the read-back held back for the verdicts (with their requests)
         self._grammar_rows: list[tuple[Sequence, int]] = []
         self._grammar_held: list[tuple[Sequence, RequestState]] = []
+        self._grammar_touched: dict[str, RequestState] = {}  # their requests the read-back touched
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._structured: StructuredOutputManager | None = None  # made at the first constraint
@@ -265,10 +266,11 @@ class LLMEngine:
                 if self._in_flight is None:
                     self._check_progress()
                 self.drain()
+                self._settle_grammars(in_flight)  # (the rows it held come out with this step)
                 return self._take_drained()
             sampled = self._launch(sched)  # the device starts on this step...
         finally:
-            self._settle_grammars(in_flight)
+            self._settle_grammars(in_flight)  # once: a no-op when settled
         self.drain()  # ...while the host takes in the previous one's tokens
         self._book(sched, sampled, t0)
         return self._take_drained()
@@ -322,8 +324,10 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         self._postprocess(*self._in_flight, touched)
         self._in_flight = None
-        for _, state in self._grammar_held:  # their outputs come with the grammars' verdicts
-            touched.pop(state.request_id, None)
+        if self._grammar_held:  # these requests' outputs come with the grammars' verdicts
+            held = {state.request_id for _, state in self._grammar_held}
+            self._grammar_touched = {rid: st for rid, st in touched.items() if rid in held}
+            touched = {rid: st for rid, st in touched.items() if rid not in held}
         self._make_outputs(touched)
 
     def _make_outputs(self, touched: dict[str, RequestState]) -> None:
@@ -395,7 +399,7 @@ class LLMEngine:
                 if not ok or seq.matcher.is_stopped():
                     seq.grammar_stop = ("stop", None)
         held, self._grammar_held = self._grammar_held, []
-        touched: dict[str, RequestState] = {}
+        touched, self._grammar_touched = self._grammar_touched, {}
         for seq, state in held:
             if seq.grammar_stop is not None:
                 self.scheduler.finish(seq, *seq.grammar_stop)

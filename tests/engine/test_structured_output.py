@@ -178,3 +178,39 @@ def test_bitmask_filler_advance_reports_refused_tokens(llm):
     assert filler.take_accepted() == [True, False, True] and filler.take_accepted() is None
     assert matchers[1].is_error() and not matchers[0].is_error() and not matchers[2].is_error()
     assert filler.advance([(matchers[0], bad)]) == [False]  # one row: consumed on this thread
+
+
+def test_streamed_constrained_outputs_match_under_async_scheduling(llm):
+    """Streamed (delta, every 3 tokens) outputs of constrained requests, one of whose samples stops
+    at a stop string while another's grammar is still taking its token: the async engine emits
+    the same deltas and finish reasons per request as the synchronous one (the requests of held
+    rows emit with the grammars' verdicts, what the read-back had due for them included)."""
+    choice_so = StructuredOutputsParams(choice=["no, never", "maybe so, perhaps", "well then, yes"])
+    json_so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    requests = [("a", SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=24, stop=[","],
+                                     structured_outputs=choice_so)),
+                ("b", SamplingParams(n=2, temperature=1.0, seed=12, max_tokens=40, structured_outputs=json_so)),
+                ("c", SamplingParams(n=2, temperature=1.0, seed=13, max_tokens=6, ignore_eos=True))]
+
+    def stream(async_scheduling):
+        tok = llm.get_tokenizer()
+        engine_llm = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
+                         async_scheduling=async_scheduling, stream_interval=3)
+        engine = engine_llm.llm_engine
+        for (rid, params), prompt in zip(requests, PROMPTS * 2):
+            engine.add_request(rid, prompt, params, output_kind="delta")
+        got = {rid: [] for rid, _ in requests}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id].append([(c.index, tuple(c.token_ids), c.text, c.finish_reason)
+                                            for c in out.outputs])
+        return got, engine_llm
+
+    sync, _ = stream(False)
+    got, other = stream(True)
+    assert got == sync
+    finished = {c[0]: c[3] for out in got["a"] for c in out if c[3]}
+    assert finished == {0: "stop", 1: "stop", 2: "stop", 3: "stop"}
+    engine = other.llm_engine
+    assert engine._grammar_held == [] and engine._grammar_touched == {}
+    assert_no_leak(other)
