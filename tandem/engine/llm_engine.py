@@ -278,7 +278,13 @@ class LLMEngine:
     def _settle_grammars(self, in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None) -> None:
         """Apply the verdicts of grammars that took the in-flight step's tokens on the worker."""
         if in_flight is not None and in_flight[1].grammar_verdicts_pending:
-            self._apply_grammar_verdicts(in_flight[1], self.worker.model_runner.take_grammar_verdicts())
+            try:
+                accepted = self.worker.model_runner.take_grammar_verdicts()
+            except BaseException:  # the grammars failed on the worker: nothing stays held
+                in_flight[1].grammar_verdicts_pending = False
+                self._grammar_rows, self._grammar_held, self._grammar_touched = [], [], {}
+                raise
+            self._apply_grammar_verdicts(in_flight[1], accepted)
 
     def _check_progress(self) -> None:
         if self.scheduler.waiting and not self.scheduler.running:

@@ -214,3 +214,42 @@ def test_streamed_constrained_outputs_match_under_async_scheduling(llm):
     engine = other.llm_engine
     assert engine._grammar_held == [] and engine._grammar_touched == {}
     assert_no_leak(other)
+
+
+@pytest.mark.parametrize("failing", ["_advance", "_fill"])
+def test_a_grammar_failing_on_the_worker_fails_the_step_and_holds_nothing(monkeypatch, failing):
+    """llguidance raising on the worker thread (taking the tokens or filling the masks, while the
+    engine reads the previous step back) surfaces from `step()`; the engine keeps no held rows or
+    pending verdicts, its requests can be aborted without a leak, and it serves the next ones."""
+    from tandem.engine.structured_output import BitmaskFiller
+
+    tok = make_tokenizer()
+    other = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
+                async_scheduling=True)
+    engine = other.llm_engine
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=24, structured_outputs=so)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    method = getattr(BitmaskFiller, failing)
+    calls = []
+
+    def fail_third_call(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("grammar engine failure")
+        return method(self, *args)
+
+    monkeypatch.setattr(BitmaskFiller, failing, fail_third_call)
+    with pytest.raises(RuntimeError, match="grammar engine failure"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert engine._grammar_held == [] and engine._grammar_rows == [] and engine._grammar_touched == {}
+    engine.abort_request(list(engine.requests))
+    while engine.has_unfinished_requests() or engine._in_flight is not None:
+        engine.step()
+    monkeypatch.setattr(BitmaskFiller, failing, method)
+    outs = other.generate(PROMPTS, params, use_tqdm=False)
+    for c in (c for o in outs for c in o.outputs):
+        assert c.finish_reason == "length" or jsonschema.validate(json.loads(c.text), SCHEMA) is None
+    assert_no_leak(other)
