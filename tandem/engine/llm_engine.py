@@ -259,7 +259,7 @@ class LLMEngine:
         elif in_flight is not None and in_flight[1].advances_grammars and in_flight[1].ready():
             # its tokens are back already (the host is the slower side): the grammars take them on
             # the worker while this step is scheduled and launched
-            self.worker.model_runner.fill_bitmask.advance_async(self._grammar_tokens(*in_flight))
+            self.worker.model_runner.advance_grammars_async(self._grammar_tokens(*in_flight))
         try:
             sched = self.scheduler.schedule()
             if sched.is_empty:

@@ -427,9 +427,14 @@ class ModelRunner:
         out.prompt_logprobs = prompt_lps
         return out
 
+    def advance_grammars_async(self, pairs: list[tuple[object, int]]) -> None:
+        """The grammars take their tokens ((matcher, token) pairs) on the worker thread, before
+        the next step's masks are filled there; `take_grammar_verdicts` waits for them."""
+        self.fill_bitmask.advance_async(pairs)
+
     def take_grammar_verdicts(self) -> list[bool] | None:
-        """Whether each pair `before_sampling` handed the last step accepted its token (None if
-        the step stopped before they were consumed)."""
+        """Whether each of the last pairs the grammars took (`advance_grammars_async`'s, or
+        `before_sampling`'s) accepted its token; None if the step stopped before they took them."""
         return self.fill_bitmask.take_accepted()
 
     @staticmethod
