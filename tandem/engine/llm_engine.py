@@ -56,7 +56,7 @@ class LLMEngine:
         self._drained: list[RequestOutput] = []
         # grammars taking the in-flight step's tokens on the model runner's worker thread: their
         # sequences, and the ones the read-back held back for the verdicts (with their requests)
-        self._grammar_rows: list[tuple[Sequence, int]] = []
+        self._grammar_rows: list[Sequence] = []
         self._grammar_held: list[tuple[Sequence, RequestState]] = []
         self._grammar_touched: dict[str, RequestState] = {}  # their requests the read-back touched
         self.eos_token_ids = frozenset(self._eos_token_ids())
@@ -262,29 +262,17 @@ class LLMEngine:
             self.worker.model_runner.advance_grammars_async(self._grammar_tokens(*in_flight))
         try:
             sched = self.scheduler.schedule()
-            if sched.is_empty:
-                if self._in_flight is None:
-                    self._check_progress()
-                self.drain()
-                self._settle_grammars(in_flight)  # (the rows it held come out with this step)
-                return self._take_drained()
-            sampled = self._launch(sched)  # the device starts on this step...
+            sampled = None if sched.is_empty else self._launch(sched)  # the device starts on it...
         finally:
-            self._settle_grammars(in_flight)  # once: a no-op when settled
+            self._settle_grammars(in_flight)
+        if sched.is_empty:
+            if self._in_flight is None:
+                self._check_progress()
+            self.drain()
+            return self._take_drained()
         self.drain()  # ...while the host takes in the previous one's tokens
         self._book(sched, sampled, t0)
         return self._take_drained()
-
-    def _settle_grammars(self, in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None) -> None:
-        """Apply the verdicts of grammars that took the in-flight step's tokens on the worker."""
-        if in_flight is not None and in_flight[1].grammar_verdicts_pending:
-            try:
-                accepted = self.worker.model_runner.take_grammar_verdicts()
-            except BaseException:  # the grammars failed on the worker: nothing stays held
-                in_flight[1].grammar_verdicts_pending = False
-                self._grammar_rows, self._grammar_held, self._grammar_touched = [], [], {}
-                raise
-            self._apply_grammar_verdicts(in_flight[1], accepted)
 
     def _check_progress(self) -> None:
         if self.scheduler.waiting and not self.scheduler.running:
@@ -303,13 +291,10 @@ class LLMEngine:
         if in_flight is not None and in_flight[1].advances_grammars and not in_flight[1].grammars_advanced:
             advance = functools.partial(self._grammar_tokens, *in_flight)
         # a step with grammar masks reads the in-flight step back while its masks are filled
-        runner = self.worker.model_runner
-        try:
-            sampled = self.worker.execute_model(sched, prev, advance, self.drain if self.async_scheduling else None)
-        finally:
-            self._settle_grammars(in_flight)
+        sampled = self.worker.execute_model(sched, prev, advance, self.drain if self.async_scheduling else None)
         if sampled is None:  # only prefill chunks that end mid-prompt: nothing sampled
             return None
+        runner = self.worker.model_runner
         return AsyncSamplerOutput(sampled, runner.sampling_reads_history,
                                   runner.sampling_advances_grammars)
 
@@ -377,35 +362,36 @@ class LLMEngine:
 
     def _grammar_tokens(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> list[tuple[object, int]]:
         """The in-flight step's constrained rows, as (matcher, sampled token) pairs for the model
-        runner to consume before it fills this step's masks; the verdicts come back through
-        `_apply_grammar_verdicts` (the read-back meanwhile holds those rows' stops and outputs)."""
+        runner to consume before it fills this step's masks; `_settle_grammars` applies the
+        verdicts (the read-back meanwhile holds those rows' stops and outputs)."""
         token_ids = sampled.get()[0]
-        rows, pairs = [], []
+        pairs = []
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
             if smp:
                 row += 1
                 if seq.matcher is not None and seq.has_placeholder:
-                    rows.append((seq, token_ids[row]))
-        self._grammar_rows = rows
+                    self._grammar_rows.append(seq)
+                    pairs.append((seq.matcher, token_ids[row]))
         sampled.grammars_advanced = sampled.grammar_verdicts_pending = True
-        return [(seq.matcher, token) for seq, token in rows]
+        return pairs
 
-    def _apply_grammar_verdicts(self, sampled: AsyncSamplerOutput, accepted: list[bool] | None) -> None:
-        """Each grammar has taken its token (accepted[i] for _grammar_rows[i]): a sample ends when
-        its grammar refused the token or is complete and can take nothing more. The rows the
-        read-back held back finish now and get their outputs."""
-        rows, self._grammar_rows = self._grammar_rows, []
-        sampled.grammar_verdicts_pending = False
-        if accepted is None:  # the step failed before the runner consumed them: consume here
-            for seq, token in rows:
-                self._advance_grammar(seq, token)
-        else:
-            for (seq, _), ok in zip(rows, accepted):
-                if not ok or seq.matcher.is_stopped():
-                    seq.grammar_stop = ("stop", None)
-        held, self._grammar_held = self._grammar_held, []
-        touched, self._grammar_touched = self._grammar_touched, {}
+    def _settle_grammars(self, in_flight: tuple[SchedulerOutput, AsyncSamplerOutput] | None) -> None:
+        """The grammars that took the in-flight step's tokens on the worker give their verdicts
+        (accepted[i] for _grammar_rows[i]): a sample ends when its grammar refused the token or is
+        complete and can take nothing more. The rows the read-back held back finish now and get
+        their outputs. Nothing stays held if the worker failed: its error propagates."""
+        if in_flight is None or not in_flight[1].grammar_verdicts_pending:
+            return
+        in_flight[1].grammar_verdicts_pending = False
+        rows, held, touched = self._grammar_rows, self._grammar_held, self._grammar_touched
+        self._grammar_rows, self._grammar_held, self._grammar_touched = [], [], {}
+        accepted = self.worker.model_runner.take_grammar_verdicts()  # (raises the worker's error)
+        if accepted is None:  # the step failed before the grammars took their tokens
+            return
+        for seq, ok in zip(rows, accepted):
+            if not ok or seq.matcher.is_stopped():
+                seq.grammar_stop = ("stop", None)
         for seq, state in held:
             if seq.grammar_stop is not None:
                 self.scheduler.finish(seq, *seq.grammar_stop)

@@ -404,25 +404,25 @@ class ModelRunner:
         # (matcher, token) pairs: grammars that take the in-flight step's tokens before the masks
         advance = before_sampling() if before_sampling is not None else None
         sampling_seqs = [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
-        # the constrained rows' matchers, in row order (the sampler's structured_rows)
-        matchers = [s.matcher for s in sampling_seqs if s.matcher is not None]
+        m = self.prepare_sampling(sampling_seqs)
         filler = self.fill_bitmask
-        if matchers and while_masking is not None:  # the worker starts before the sampling tensors
-            pending = filler.fill_async(matchers, advance or [])
-            try:
-                m = self.prepare_sampling(sampling_seqs)
-                while_masking()
-            except BaseException:
-                pending.exception()  # the worker holds the matchers until it is done
-                raise
-            mask = pending.result()
-        else:
-            if advance:
-                filler.advance(advance)
-            m = self.prepare_sampling(sampling_seqs)
-            mask = filler(matchers) if matchers else None
-        if mask is not None:  # filled on the host, copied without waiting
+        if m.structured_rows is not None:  # filled on the host, copied without waiting
+            matchers = [sampling_seqs[r].matcher for r in m.structured_rows_cpu]
+            if while_masking is not None:
+                pending = filler.fill_async(matchers, advance or [])
+                try:
+                    while_masking()
+                except BaseException:
+                    pending.exception()  # the worker holds the matchers until it is done
+                    raise
+                mask = pending.result()
+            else:
+                if advance:
+                    filler.advance(advance)
+                mask = filler(matchers)
             m.grammar_bitmask = mask.to(self.device, non_blocking=True)
+        elif advance:
+            filler.advance(advance)
         out = self.sampler(logits, m)
         out.prompt_logprobs = prompt_lps
         return out
