@@ -103,17 +103,20 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
 
 
 def _train_phase(trainer, steps: list[dict], train_s: float) -> dict:
-    """The train phase's real tokens, micro-batches and model FLOPs utilisation: 6 N FLOPs a real
-    token (forward and backward; padding and a recomputed forward are not useful work), N the
-    parameters (a tied head counted once)."""
+    """The train phase's tokens, micro-batches and model FLOPs utilisation: 6 N FLOPs a computed
+    token (forward and backward: the rows' real tokens, a shared prompt once; padding and a
+    recomputed forward are not useful work), N the parameters (a tied head counted once)."""
     a = trainer.args
     n_params = sum(p.numel() for p in trainer.model.parameters())
     tokens = statistics.median(s["train/tokens"] for s in steps) * a.num_iterations
+    computed = statistics.median(s["train/computed_tokens"] for s in steps) * a.num_iterations
     peak = device_ceilings()[1] if trainer.device.type == "cuda" else None  # None: no MFU
     fill = [s["train/micro_batch_fill"] for s in steps if "train/micro_batch_fill" in s]
     return {
-        "peak_flops": peak, "train_tokens": tokens, "train_mfu": 6 * n_params * tokens / train_s / peak if peak else None,
-        "padding_free": a.padding_free, "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+        "peak_flops": peak, "train_tokens": tokens, "train_computed_tokens": computed,
+        "train_mfu": 6 * n_params * computed / train_s / peak if peak else None,
+        "padding_free": a.padding_free, "share_prompts": a.shares_prompts,
+        "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
         "fused_kernels": trainer.fused_kernels,
         "micro_batches_per_step": statistics.median(s["train/micro_batches"] for s in steps),
         "micro_batch_fill": statistics.median(fill) if fill else None,
@@ -197,7 +200,8 @@ def run(cfg: RLBenchConfig) -> dict:
     if set(cfg.compare.split(",")) & {"colocate", "server"}:
         from tandem.bench.rl_modes import run_modes
 
-        tandem_only = {"completion_len_dist": None, "padding_free": False, "max_tokens_per_micro_batch": None,
+        tandem_only = {"completion_len_dist": None, "padding_free": False, "share_prompts": None,
+                       "max_tokens_per_micro_batch": None,
                        "profile_train": None}
         given = [k for k, v in tandem_only.items() if getattr(cfg, k) != v]
         if given:
@@ -249,14 +253,16 @@ def _print(results: dict, cfg: RLBenchConfig) -> None:
     print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t["breakdown_s"].items()))
     mem = t["train_memory"]
     plan = f", plan {mem['memory/plan_train_gib']:.1f}" if "memory/plan_train_gib" in mem else ""
-    mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x real tokens / {t['peak_flops'] / 1e12:.0f} TFLOP/s)"
+    mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x computed tokens / {t['peak_flops'] / 1e12:.0f} TFLOP/s)"
            if t["train_mfu"] is not None else "MFU unknown (no known peak for this device)")
     budget = t["max_tokens_per_micro_batch"]
     split = (f"{t['micro_batches_per_step']:g} micro-batches a step of <= {budget:,} tokens, "
              f"{100 * t['micro_batch_fill']:.0f}% full" if budget else
              f"{t['micro_batches_per_step']:g} micro-batches a step of {cfg.micro_batch} rows")
+    shared = (f", {t['train_computed_tokens']:,.0f} computed (each prompt once a micro-batch)"
+              if t["share_prompts"] else "")
     print(f"tandem train phase: {t['breakdown_s']['train']:.2f} s for {t['train_tokens']:,.0f} real tokens "
-          f"(prompt + completion), {mfu}; padding-free {'on' if t['padding_free'] else 'off'}, {split}; "
+          f"(prompt + completion){shared}, {mfu}; padding-free {'on' if t['padding_free'] else 'off'}, {split}; "
           f"recompute {'on' if mem.get('memory/recompute') else 'off'}"
           + (f"; peak {mem['memory/train_peak_gib']:.1f} GiB{plan} (resident {mem['memory/train_resident_gib']:.1f})"
              if "memory/train_peak_gib" in mem else ""))
@@ -356,6 +362,9 @@ def add_parser(subparsers) -> None:
                    "for both trainers, instead of --completion-len for all (default: off)")
     p.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=d.padding_free,
                    help="tandem: pack each micro-batch's rows into one sequence (GRPOConfig.padding_free)")
+    p.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=d.share_prompts,
+                   help="tandem: with --padding-free, each prompt packed once with its completions "
+                   "(GRPOConfig.share_prompts; default: on with --padding-free)")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels,
                    help="tandem: its fused Triton RMSNorm/SwiGLU/rotary training kernels "
                    "(GRPOConfig.fused_kernels; default: on with CUDA)")

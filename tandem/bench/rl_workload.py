@@ -35,6 +35,7 @@ class RLBenchConfig:
     optim: str = "adamw_torch_fused"  # GRPOConfig.optim: adamw_torch_8bit / _4bit for the largest models
     lora_r: int = 0  # > 0: train a LoRA adapter of this rank on every linear layer (peft), not all weights
     padding_free: bool = False  # tandem's GRPOConfig.padding_free
+    share_prompts: bool | None = None  # tandem's GRPOConfig.share_prompts (None: on with padding_free)
     fused_kernels: bool | None = None  # tandem's GRPOConfig.fused_kernels (None: on with CUDA)
     max_tokens_per_micro_batch: int | None = None  # tandem's GRPOConfig field (needs padding_free)
     profile_train: str | None = None  # write one step's train-phase profile table here (rl_profile.py)
@@ -108,7 +109,8 @@ def grpo_kwargs(cfg: RLBenchConfig) -> dict:
     return dict(output_dir="/tmp/tandem-bench-rl", report_to="none", save_steps=10**9,
                 max_prompt_length=cfg.prompt_len, vllm_gpu_memory_utilization=cfg.gpu_memory_utilization,
                 engine_sleep_level=cfg.sleep_level, lr_scheduler_type="constant", shuffle_dataset=False,
-                use_cpu=cfg.device == "cpu", padding_free=cfg.padding_free, fused_kernels=cfg.fused_kernels,
+                use_cpu=cfg.device == "cpu", padding_free=cfg.padding_free, share_prompts=cfg.share_prompts,
+                fused_kernels=cfg.fused_kernels,
                 max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                 **batching(cfg, completion_range(cfg)[1]))
 

@@ -99,6 +99,8 @@ FIELD_HELP = {
     "warmup_steps": "learning-rate warm-up steps",
     "disable_dropout": "turn the model's dropout off",
     "padding_free": "pack each micro-batch's rows into one sequence: no FLOP on padding",
+    "share_prompts": "with --padding-free: each prompt's rows packed with the prompt once "
+    "(same numbers, fewer tokens)",
     "batch_invariant": "engine and trainer score tokens with the same batch-invariant kernels: "
     "identical logprobs in bf16 (slower)",
     "max_tokens_per_micro_batch": "with --padding-free: micro-batches of at most this many real "
@@ -121,6 +123,7 @@ FIELD_HELP = {
 
 
 NONE_MEANS = {"gradient_checkpointing": "the trainer's memory plan decides",
+              "share_prompts": "on with --padding-free",
               "optim_offload": "the trainer's memory plan decides",
               "vllm_enable_sleep_mode": "the trainer's memory plan decides"}
 

@@ -121,6 +121,10 @@ class GRPOConfig:
     # Each micro-batch's rows packed into one sequence (TRL's SFTConfig name): no FLOP on padding,
     # whatever the spread of completion lengths; same numbers as padded rows (`tandem.rl.packing`).
     padding_free: bool = False
+    # With padding_free: the rows of one prompt (a GRPO group's G completions) packed with their
+    # prompt once, the completions attending to its keys (`tandem.rl.packing`): G (P + C) tokens
+    # cost P + G C, with the same numbers. None: on with padding_free.
+    share_prompts: bool | None = None
     # The trainer's logprob values from the engine's own model code and batch-invariant kernels
     # (`tandem.rl.scorer`), the engine running them too: the two agree exactly in bf16 (|engine -
     # trainer logprob| 0, importance ratio 1 on-policy); the gradient still comes from the HF
@@ -299,7 +303,14 @@ class GRPOConfig:
         _at_least("max_completion_length", self.max_completion_length, 1)
         self._check_token_budget()
 
+    @property
+    def shares_prompts(self) -> bool:
+        return self.padding_free if self.share_prompts is None else self.share_prompts
+
     def _check_token_budget(self) -> None:
+        if self.share_prompts and not self.padding_free:
+            raise ValueError("share_prompts=True packs each prompt once into padding-free micro-batches and "
+                             "needs padding_free=True (or leave share_prompts=None)")
         budget = self.max_tokens_per_micro_batch
         if budget is None:
             return

@@ -30,7 +30,7 @@ from tandem import batch_invariant
 from tandem.checks import check_triton_device
 from tandem.layers.linear import addmm_fp32_, linear_fp32_out
 from tandem.layers.sampler import apply_min_p, apply_top_k_top_p
-from tandem.rl.packing import ATTENTION, pack_rows, register, to_device
+from tandem.rl.packing import ATTENTION, pack_rows, packed_positions, register, to_device
 
 _CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk: 1 GiB (fewer, larger GEMMs; grad_w read less often)
 
@@ -188,6 +188,7 @@ def completion_logps(
     sampling: SamplingFilter | None = None,
     padding_free: bool = False,
     lengths_cpu: tuple[torch.Tensor, torch.Tensor] | None = None,
+    prompt_groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs [B, T] (fp32) of each row's completion under an HF causal LM.
 
@@ -203,10 +204,13 @@ def completion_logps(
     the model's mask (and the read-back HF's mask code makes to check it). `lengths_cpu`: the
     rows' (prompt_lengths, lengths) on the host, where the caller has them (`rollout.pack`): the
     scored positions are then found there, and a micro-batch's forward is launched without
-    reading the device back.
+    reading the device back. `prompt_groups` [B] (host, with `lengths_cpu` and `padding_free`):
+    rows with one id have the same prompt, packed once per micro-batch (`tandem.rl.packing`).
     """
     B = input_ids.shape[0]
     dev = input_ids.device
+    if prompt_groups is not None and (lengths_cpu is None or not padding_free):
+        raise ValueError("prompt_groups needs padding_free=True and the rows' lengths on the host (lengths_cpu)")
     prompt_len, seq_len = lengths_cpu or (prompt_lengths, attention_mask.sum(-1))
     tgt_pos = prompt_len[:, None] + torch.arange(num_completion_tokens, device=prompt_len.device)
     valid = tgt_pos < seq_len[:, None]  # [B, T]: a completion token sits there (right padding)
@@ -224,12 +228,11 @@ def completion_logps(
         targets = input_ids[rows][b_idx, pred_pos + 1]
         state_row = b_idx  # where the predicting states sit: [b, L], or [1, packed] below
         if padding_free:
+            groups = None if prompt_groups is None else (prompt_len[rows], prompt_groups[rows])
             packed = pack_rows(input_ids[rows], attention_mask[rows],
-                               None if lengths_cpu is None else lengths_cpu[1][rows])
-            pred_pos, state_row = packed["row_starts"][b_idx] + pred_pos, torch.zeros_like(b_idx)
-            kw = dict(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                      cu_seq_lens_q=packed["cu_seqlens"], cu_seq_lens_k=packed["cu_seqlens"],
-                      max_length_q=packed["max_len"], max_length_k=packed["max_len"])
+                               None if lengths_cpu is None else lengths_cpu[1][rows], groups)
+            pred_pos, state_row = packed_positions(packed, b_idx, pred_pos), torch.zeros_like(b_idx)
+            kw = packed["model_kwargs"]
         else:  # positions 0, 1, ... as the engine numbers them; causal mask only (see above)
             kw = dict(input_ids=input_ids[rows])
         scorer = _ScoringHead(head, state_row, pred_pos, targets, temperature, head_dtype, sampling)

@@ -7,6 +7,9 @@ micro-batch holds at most the budget's real tokens (prompt + completion, no padd
 full: longest row first into the least-filled of k = ceil(tokens / budget) micro-batches, k raised
 while one overflows. The rows are then reordered so each micro-batch is a contiguous slice.
 
+With shared prompts (`GRPOConfig.share_prompts`) the units binned are a prompt's rows together,
+each costing its prompt once.
+
 The loss is normalised over the whole step (`loss.step_row_scales`, over the fixed micro-batches),
 so the grouping changes neither the loss nor the gradients. A row longer than the budget is an
 error, as in verl: the budget bounds a micro-batch's memory, and a micro-batch above it would
@@ -58,10 +61,12 @@ def balanced_bins(lengths: list[int], k: int) -> list[list[int]]:
     return [sorted(b) for b in bins if b]
 
 
-def token_budget_bins(lengths: list[int], budget: int, agree: Callable[[int], int] = lambda v: v) -> list[list[int]]:
+def token_budget_bins(lengths: list[int], budget: int, agree: Callable[[int], int] = lambda v: v,
+                      groups: "PromptGroups | None" = None) -> list[list[int]]:
     """`lengths` (one optimizer step's rows) in as few balanced bins of at most `budget` tokens as
     the greedy finds. `agree` is the max over data-parallel ranks: every rank runs the same number
-    of micro-batches (FSDP gathers per forward pass), and all raise together on a row too long."""
+    of micro-batches (FSDP gathers per forward pass), and all raise together on a row too long.
+    `groups`: what is binned is each prompt's rows together (`PromptGroups`), not single rows."""
     longest = agree(max(lengths))
     if longest > budget:
         raise ValueError(
@@ -69,31 +74,86 @@ def token_budget_bins(lengths: list[int], budget: int, agree: Callable[[int], in
             f"max_tokens_per_micro_batch ({budget}); raise it, or set max_prompt_length so that "
             "max_prompt_length + max_completion_length fits"
         )
-    k = math.ceil(sum(lengths) / budget)
+    units = [[i] for i in range(len(lengths))] if groups is None else groups.units(budget)
+    cost = (lambda rows: sum(lengths[i] for i in rows)) if groups is None else groups.cost
+    k = math.ceil(sum(map(cost, units)) / budget)
     while True:
         k = agree(k)
-        bins = balanced_bins(lengths, k)
-        if not agree(int(any(sum(lengths[i] for i in b) > budget for b in bins))):
+        if groups is not None:  # k micro-batches need k units; every rank runs k (FSDP)
+            units = groups.cut(units, k)
+        bins = [sorted(i for u in b for i in units[u]) for b in balanced_bins([cost(u) for u in units], k)]
+        if not agree(int(any(cost(b) > budget for b in bins))):
             return bins
         k += 1
 
 
+class PromptGroups:
+    """One step's rows by prompt, when a micro-batch packs each prompt once: a set of rows costs
+    each prompt once and each completion (`cost`), and the budget bins a prompt's rows together
+    (`units`), cut where they are over it or where there are fewer units than micro-batches."""
+
+    def __init__(self, lengths: list[int], prompt_lens: list[int], ids: list[int]):
+        self.lengths, self.prompt_lens, self.ids = lengths, prompt_lens, ids
+
+    def cost(self, rows) -> int:
+        prompts = {self.ids[i]: self.prompt_lens[i] for i in rows}
+        return sum(prompts.values()) + sum(self.lengths[i] - self.prompt_lens[i] for i in rows)
+
+    def units(self, budget: int) -> list[list[int]]:
+        """Each prompt's rows in order, cut before a row that would take them over `budget` (a row
+        over it alone stays whole: token_budget_bins has refused it)."""
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(self.ids):
+            members.setdefault(g, []).append(i)
+        units = []
+        for rows in members.values():
+            unit: list[int] = []
+            for i in rows:
+                if unit and self.cost(unit + [i]) > budget:
+                    units.append(unit)
+                    unit = []
+                unit.append(i)
+            units.append(unit)
+        return units
+
+    @staticmethod
+    def cut(units: list[list[int]], k: int) -> list[list[int]]:
+        """At least k units where the rows allow: the unit of most rows halved until there are."""
+        units = list(units)
+        while len(units) < k and max(map(len, units)) > 1:
+            big = max(range(len(units)), key=lambda u: len(units[u]))
+            rows = units.pop(big)
+            units[big:big] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+        return units
+
+
 def split_rows(attention_mask: torch.Tensor, rows_per_micro_batch: int, micro_batches_per_step: int,
-               budget: int | None = None, agree: Callable[[int], int] = lambda v: v) -> MicroBatches:
-    """The phase's micro-batches: fixed (`budget` None), or by token budget within each step."""
+               budget: int | None = None, agree: Callable[[int], int] = lambda v: v,
+               prompts: tuple[torch.Tensor, torch.Tensor] | None = None) -> MicroBatches:
+    """The phase's micro-batches: fixed (`budget` None), or by token budget within each step.
+    `prompts`: the rows' (prompt lengths, prompt group ids) on the host when a micro-batch packs
+    each prompt once (`GRPOConfig.share_prompts`): a micro-batch's tokens then count a group's
+    prompt once, and a budget bins a prompt's rows together (`PromptGroups`)."""
     lengths = attention_mask.sum(-1).tolist()  # real tokens of each row
+    plens, ids = (None, None) if prompts is None else (prompts[0].tolist(), prompts[1].tolist())
     steps = fixed_steps(len(lengths), rows_per_micro_batch, micro_batches_per_step)
+
+    def groups(rows: range) -> PromptGroups | None:
+        return None if prompts is None else PromptGroups(*([v[i] for i in rows] for v in (lengths, plens, ids)))
+
+    def cost(rows: range) -> int:
+        return sum(lengths[i] for i in rows) if prompts is None else groups(rows).cost(range(len(rows)))
+
     if budget is None:
-        return MicroBatches(None, steps, [sum(lengths[s]) for step in steps for s in step])
+        return MicroBatches(None, steps, [cost(range(s.start, s.stop)) for step in steps for s in step])
     order: list[int] = []
     split, tokens = [], []
     for step in steps:
-        first = step[0].start
-        bins = token_budget_bins(lengths[first : step[-1].stop], budget, agree)
+        rows = range(step[0].start, step[-1].stop)
         micro = []
-        for b in bins:
+        for b in token_budget_bins([lengths[i] for i in rows], budget, agree, groups(rows)):
             micro.append(slice(len(order), len(order) + len(b)))
-            order += [first + i for i in b]
-            tokens.append(sum(lengths[first + i] for i in b))
+            order += [rows[i] for i in b]
+            tokens.append(cost([rows[i] for i in b]))
         split.append(micro)
     return MicroBatches(torch.tensor(order, device=attention_mask.device), split, tokens)

@@ -72,8 +72,9 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
     """Tensors for the trainer: each row is its prompt, its completion, then right padding.
 
     input_ids / attention_mask [N, L], prompt_lengths [N] (where row i's completion starts),
-    completion_mask and engine_logp [N, T] on `device`; prompt_lengths_cpu and seq_lens_cpu [N]
-    (prompt + completion tokens) on the host. No row is left-padded: a left pad is a query position
+    completion_mask and engine_logp [N, T] on `device`; prompt_lengths_cpu, seq_lens_cpu [N]
+    (prompt + completion tokens) and prompt_groups_cpu [N] (one id for the rows of one prompt's
+    tokens, `GRPOConfig.share_prompts`) on the host. No row is left-padded: a left pad is a query position
     that attends to nothing, which SDPA's bf16 backward turns into NaN gradients (`logprobs.py`).
     Truncated completions get an all-zero mask when `mask_truncated`.
     """
@@ -85,6 +86,8 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
     prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
     completion_mask = torch.zeros((N, T), dtype=torch.float32)
     engine_logp = torch.zeros((N, T), dtype=torch.float32)
+    group_of: dict[tuple[int, ...], int] = {}
+    groups = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in rollout.prompt_ids])
     for i, (p, c, lp) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.engine_logps)):
         input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
         attention[i, : len(p) + len(c)] = 1
@@ -97,5 +100,5 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
         "prompt_lengths": prompt_lengths.to(device), "completion_mask": completion_mask.to(device),
         "engine_logp": engine_logp.to(device),
         # on the host, for what the trainer plans from them without reading the device back
-        "prompt_lengths_cpu": prompt_lengths, "seq_lens_cpu": attention.sum(-1),
+        "prompt_lengths_cpu": prompt_lengths, "seq_lens_cpu": attention.sum(-1), "prompt_groups_cpu": groups,
     }

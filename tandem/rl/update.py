@@ -121,15 +121,19 @@ class PolicyUpdate:
                 self.optimizer.zero_grad(set_to_none=True)
         host = _to_host({**sums, **{f"_n/{k}": v for k, v in counts.items()}})
         totals = self.dist.sum_dicts({**host, "_count": float(count), "_loss": float(step_losses),
-                                      "_tokens": float(sum(split.tokens))})
+                                      "_tokens": float(sum(split.tokens)),
+                                      "_real": float((data["seq_lens_cpu"] if "seq_lens_cpu" in data
+                                                      else data["attention_mask"]).sum())})
         count, loss_sum, tokens = totals.pop("_count"), totals.pop("_loss"), totals.pop("_tokens")
+        real = totals.pop("_real")
         # means over every rank's micro-batches that had a value (NaN where none had)
         metrics = {k: totals[k] / totals[f"_n/{k}"] if totals[f"_n/{k}"] else math.nan for k in sums}
         metrics["loss"] = loss_sum / max(1, num_steps)  # every rank's shares: the steps' losses
         if a.max_grad_norm:
             metrics["grad_norm"] = step_norms / max(1, num_steps)  # global already
         metrics["train/micro_batches"] = len(micro) / len(split.steps)  # per optimizer step, each rank
-        metrics["train/tokens"] = tokens  # real prompt + completion tokens of the rows, every rank's
+        metrics["train/tokens"] = real  # real prompt + completion tokens of the rows, every rank's
+        metrics["train/computed_tokens"] = tokens  # what the forward passes ran: shared prompts once
         metrics["train/nonfinite_steps"] = self.guard.total
         peaks.end()
         metrics["memory/recompute"] = float(self.recompute)
@@ -151,12 +155,19 @@ class PolicyUpdate:
         fixed = fixed_steps(mask.shape[0], a.per_device_train_batch_size, a.gradient_accumulation_steps)
         scale = torch.cat([self._row_scales(mask, step) for step in fixed])  # [N]
         split = split_rows(data["attention_mask"], a.per_device_train_batch_size, a.gradient_accumulation_steps,
-                           a.max_tokens_per_micro_batch, self.dist.all_reduce_max)
+                           a.max_tokens_per_micro_batch, self.dist.all_reduce_max, self._prompt_groups(data))
         if split.order is not None:
             host = split.order.cpu()
             data = {k: v[host if v.device.type == "cpu" else split.order] for k, v in data.items()}
             advantages, scale = advantages[split.order], scale[split.order]
         return data, advantages, scale, split
+
+    def _prompt_groups(self, data: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows' (prompt lengths, prompt group ids) on the host when micro-batches pack each
+        prompt once (`GRPOConfig.share_prompts`); None when they do not."""
+        if not self.args.shares_prompts or "prompt_groups_cpu" not in data:
+            return None
+        return data["prompt_lengths_cpu"], data["prompt_groups_cpu"]
 
     def _row_scales(self, mask: torch.Tensor, step: list[slice]) -> torch.Tensor:
         """One optimizer step's normalisation, per row (`loss.step_row_scales`). dapo divides by
@@ -187,13 +198,15 @@ class PolicyUpdate:
         autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=False)
                     if self.use_bf16 else nullcontext())
         micro_batch_size = None if a.max_tokens_per_micro_batch else a.per_device_train_batch_size
+        groups = self._prompt_groups(data)
+        groups = None if groups is None else groups[1][rows]
         with torch.no_grad() if no_grad else nullcontext(), autocast:
             logp = completion_logps(model, data["input_ids"][rows], data["attention_mask"][rows],
                                     data["prompt_lengths"][rows], data["completion_mask"].shape[1],
                                     a.temperature, micro_batch_size,
                                     head_dtype=torch.bfloat16 if self.use_bf16 else None,
                                     sampling=self.sampling_filter, padding_free=a.padding_free,
-                                    lengths_cpu=_lengths_cpu(data, rows))
+                                    lengths_cpu=_lengths_cpu(data, rows), prompt_groups=groups)
         return logp if exact is None else logp + (exact - logp).detach()
 
 

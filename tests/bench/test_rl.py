@@ -77,11 +77,14 @@ def test_bench_rl_on_cpu_varied_lengths_token_budget_and_train_profile(tmp_path,
     drawn = [lengths[tuple(p)] for p in step_prompts]
     assert t["completion_tokens_per_step"] == 2 * sum(drawn)
     assert t["train_tokens"] == 2 * sum(drawn) + 4 * 6  # real prompt + completion tokens, no padding
+    # each prompt's 2 completions with the prompt once where they share a micro-batch
+    assert t["share_prompts"] and 2 * sum(drawn) + 2 * 6 <= t["train_computed_tokens"] < t["train_tokens"]
     assert t["padding_free"] and t["max_tokens_per_micro_batch"] == 20
     assert t["micro_batches_per_step"] >= 2 and 0 < t["micro_batch_fill"] <= 1
     assert t["train_mfu"] is None  # no known peak on a CPU
     assert "mean len" in out and "drawn per prompt, uniform 2-10" in out
     assert "tandem train phase" in out and "real tokens" in out and "padding-free on" in out
+    assert "computed (each prompt once a micro-batch)" in out
     text = profile.read_text()
     assert text.startswith("# tandem bench rl --profile-train") and "sorted by self_cpu_time_total" in text
     assert "Self CPU" in text and "aten::" in text
@@ -105,12 +108,14 @@ def test_cli_flags_reach_the_config(monkeypatch):
     seen = []
     monkeypatch.setattr(rl, "run", seen.append)
     assert cli.main(["bench", "rl", "--completion-len-dist", "uniform:32-512", "--padding-free",
-                     "--max-tokens-per-micro-batch", "16384", "--profile-train", "t.txt"]) == 0
+                     "--max-tokens-per-micro-batch", "16384", "--profile-train", "t.txt", "--no-share-prompts"]) == 0
     c = seen[0]
     assert (c.completion_len_dist, c.padding_free, c.max_tokens_per_micro_batch, c.profile_train) == (
         "uniform:32-512", True, 16384, "t.txt")
+    assert c.share_prompts is False
     p = argparse.ArgumentParser()
     add_parser(p.add_subparsers())
     a = p.parse_args(["rl"])
     assert (a.completion_len_dist, a.padding_free, a.max_tokens_per_micro_batch, a.profile_train) == (
         None, False, None, None)
+    assert a.share_prompts is None

@@ -87,6 +87,7 @@ def test_generation_batch_is_derived_either_way():
         ({"save_total_limit": 0}, "save_total_limit must be >= 1"),
         ({"beta": -1.0}, "beta must be >= 0"),
         ({"max_tokens_per_micro_batch": 4096}, r"max_tokens_per_micro_batch \(4096\) .*needs padding_free=True"),
+        ({"share_prompts": True}, r"share_prompts=True packs each prompt once .*needs padding_free=True"),
         ({"max_tokens_per_micro_batch": 0, "padding_free": True}, "max_tokens_per_micro_batch must be >= 1"),
         (
             {"max_tokens_per_micro_batch": 700, "padding_free": True},

@@ -173,14 +173,19 @@ def test_padding_free_logprobs_and_gradients_equal_the_padded_ones(arch):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "bnpo"])
-def test_a_padding_free_step_is_the_padded_step(tmp_path, loss_type):
+@pytest.mark.parametrize("share_prompts", [False, None])
+def test_a_padding_free_step_is_the_padded_step(tmp_path, loss_type, share_prompts):
+    """Through the trainer (8 completions a prompt): packed rows, with each prompt packed once
+    (share_prompts None: on) or not, make the padded step."""
     from tests.rl.test_trainer import make_trainer
 
     # SGD: the weights move by lr x gradient, so equal weights after the step are equal gradients
     steps = [make_trainer(tmp_path / str(p), max_steps=1, gradient_accumulation_steps=1, optim="sgd",
-                          loss_type=loss_type, padding_free=p) for p in (False, True)]
+                          loss_type=loss_type, padding_free=p, share_prompts=share_prompts and p)
+             for p in (False, True)]
     before = {n: p.detach().clone() for n, p in steps[0].model.named_parameters()}
     padded, packed = (t.step() for t in steps)
+    assert (packed["train/computed_tokens"] < packed["train/tokens"]) == (share_prompts is None)
     assert any(not torch.equal(before[n], p) for n, p in steps[0].model.named_parameters())
     assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-5)
     assert packed["sampling/sampling_logp_difference/max"] < 1e-4  # the engine agrees with both
@@ -199,6 +204,72 @@ def test_a_padding_free_step_with_recompute_is_the_padded_step(tmp_path):
     assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-5)
     for (n, a), b in zip(steps[0].model.named_parameters(), steps[1].model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _grouped_rows(device="cpu", scale=1):
+    """Rows in prompt groups (ids 0 0 0 1 1 2 2, rows of one group with one prompt) with completions
+    of varied lengths, an empty one among them, and their weights."""
+    torch.manual_seed(6)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    prompt_of = [torch.randint(3, 300, (n * scale,)) for n in (3, 5, 2)]
+    completions = [n * scale for n in (4, 1, 6, 3, 0, 7, 2)]
+    rows = [torch.cat([prompt_of[g], torch.randint(3, 300, (c,))]) for g, c in zip(groups.tolist(), completions)]
+    L = max(map(len, rows))
+    ids = torch.zeros(len(rows), L, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], am[i, : len(r)] = r, 1
+    plen = torch.tensor([len(prompt_of[g]) for g in groups.tolist()])
+    return ids.to(device), am.to(device), plen, am.sum(-1), groups, max(completions)
+
+
+@pytest.mark.parametrize("micro_batch_size", [7, 4])
+def test_shared_prompts_change_no_logprob_and_no_gradient(micro_batch_size):
+    """Each group's prompt packed once (a group cut by a micro-batch's edge shares within each
+    part): the padded rows' per-token logprobs and every parameter's gradient (fp32)."""
+    from model_fixtures import make_tiny_model
+
+    model = make_tiny_model("qwen2", seed=4).train()
+    ids, am, plen, seq_lens, groups, T = _grouped_rows()
+    weights = torch.randn(len(ids), T)
+    runs = []
+    for kw in ({}, {"padding_free": True, "lengths_cpu": (plen, seq_lens), "prompt_groups": groups}):
+        model.zero_grad()
+        lp = completion_logps(model, ids, am, plen, T, 0.9, micro_batch_size=micro_batch_size, **kw)
+        lp.mul(weights).sum().backward()
+        runs.append((lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = runs
+    assert a.abs().sum() > 0
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(gb[n], ga[n], rtol=1e-5, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_shared_prompt_packing_lays_each_prompt_out_once():
+    from tandem.rl.packing import pack_rows, packed_positions
+
+    ids, am, plen, seq_lens, groups, _ = _grouped_rows()
+    packed = pack_rows(ids, am, seq_lens, (plen, groups))
+    kw = packed["model_kwargs"]
+    computed = sum(plen[[0, 3, 5]]) + sum(seq_lens - plen)
+    assert packed["tokens"] == kw["input_ids"].shape[1] == computed
+    # every row's every token is found where packed_positions says, at its own position id
+    for b in range(len(ids)):
+        pos = torch.arange(int(seq_lens[b]))
+        at = packed_positions(packed, torch.full_like(pos, b), pos)
+        assert torch.equal(kw["input_ids"][0, at], ids[b, pos]) and torch.equal(kw["position_ids"][0, at], pos)
+    # the segments: each prompt alone; each non-empty completion after its prompt's keys
+    assert kw["cu_seq_lens_q"].diff().tolist() == [3, 4, 1, 6, 5, 3, 2, 7, 2]
+    assert kw["cu_seq_lens_k"].diff().tolist() == [3, 7, 4, 9, 5, 8, 2, 9, 4]
+    assert kw["max_length_q"] == 7 and kw["max_length_k"] == 9
+
+
+def test_rows_of_one_group_with_different_prompt_lengths_are_refused():
+    from tandem.rl.packing import pack_rows
+
+    ids, am, plen, seq_lens, groups, _ = _grouped_rows()
+    with pytest.raises(ValueError, match="share a prompt group but not a prompt length"):
+        pack_rows(ids, am, seq_lens, (plen + torch.arange(len(plen)), groups))
 
 
 @pytest.mark.gpu
@@ -228,6 +299,30 @@ def test_padding_free_on_the_gpu_in_bf16_agrees_with_padded_rows():
     assert (out[0] - out[1]).abs().mean() < 0.02
 
 
+@pytest.mark.gpu
+def test_shared_prompts_on_the_gpu_in_bf16_agree_with_padded_rows():
+    """Shared prompts on CUDA in bf16: each completion's segment has more keys than queries, and
+    torch's varlen flash attention aligns its causal mask at the bottom right (a top-left mask
+    would hide most of the prompt from the completion): the padded rows' logprobs up to bf16
+    rounding, and their gradients' direction."""
+    from model_fixtures import make_tiny_model
+
+    model = make_tiny_model("qwen2", seed=4).cuda().train()
+    ids, am, plen, seq_lens, groups, T = _grouped_rows("cuda", scale=10)
+    weights = torch.randn(len(ids), T, device="cuda")
+    runs = []
+    for kw in ({}, {"padding_free": True, "lengths_cpu": (plen, seq_lens), "prompt_groups": groups}):
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp = completion_logps(model, ids, am, plen.cuda(), T, head_dtype=torch.bfloat16, **kw)
+        lp.mul(weights).sum().backward()
+        runs.append((lp.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (a, ga), (b, gb) = runs
+    assert torch.isfinite(gb).all()
+    assert (a - b).abs().mean() < 0.02, (a - b).abs().mean()
+    assert torch.nn.functional.cosine_similarity(ga, gb, dim=0) > 0.99
+
+
 def test_rows_packed_from_host_lengths_equal_rows_packed_on_the_device():
     """pack_rows planned from the rollout's host lengths (no read-back) packs what the device-side
     path packs, tensor for tensor."""
@@ -237,6 +332,8 @@ def test_rows_packed_from_host_lengths_equal_rows_packed_on_the_device():
     ids = torch.randint(3, 300, (4, 12))
     am = (torch.arange(12)[None] < lengths[:, None]).long()
     device_side, host_side = pack_rows(ids, am), pack_rows(ids, am, lengths)
-    assert device_side.keys() == host_side.keys() and device_side["max_len"] == host_side["max_len"] == 12
-    for k in ("input_ids", "position_ids", "cu_seqlens", "row_starts"):
-        assert torch.equal(device_side[k], host_side[k]) and device_side[k].dtype == host_side[k].dtype, k
+    dk, hk = device_side["model_kwargs"], host_side["model_kwargs"]
+    assert dk.keys() == hk.keys() and dk["max_length_q"] == hk["max_length_q"] == 12
+    for a, b in [(dk[k], hk[k]) for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k")] + [
+            (device_side["row_starts"], host_side["row_starts"])]:
+        assert torch.equal(a, b) and a.dtype == b.dtype

@@ -69,6 +69,24 @@ def test_split_rows_keeps_each_step_whole_and_every_micro_batch_in_budget():
     assert [len(step) for step in split.steps] == [3, 2]  # 31 tokens, then 23: a step's count varies
 
 
+def test_shared_prompt_micro_batches_bin_whole_groups_and_count_each_prompt_once():
+    # 3 groups: prompt 4 + completions 3, 5, 2 (14 packed); prompt 2 + 6, 6 (14); prompt 3 + 9 (12)
+    plens = torch.tensor([4, 4, 4, 2, 2, 3])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    lengths = plens + torch.tensor([3, 5, 2, 6, 6, 9])
+    mask = (torch.arange(12)[None] < lengths[:, None]).long()
+    fixed = split_rows(mask, 3, 2, prompts=(plens, groups))
+    assert fixed.tokens == [14, 2 + 12 + 3 + 9]
+    split = split_rows(mask, 6, 1, budget=16, prompts=(plens, groups))
+    assert split.tokens == [14, 14, 12]  # each group whole in a micro-batch of its own
+    assert [sorted(split.order[s].tolist()) for s in split.steps[0]] in ([[0, 1, 2], [3, 4], [5]],
+                                                                         [[3, 4], [0, 1, 2], [5]])
+    cut = split_rows(mask, 6, 1, budget=12, prompts=(plens, groups))  # groups 0 and 1 cut in two
+    assert all(t <= 12 for t in cut.tokens) and sum(cut.tokens) == 14 + 14 + 12 + 4 + 2
+    with pytest.raises(ValueError, match="sequence of 12 tokens"):
+        split_rows(mask, 6, 1, budget=11, prompts=(plens, groups))
+
+
 # ---- invariance: the training phase itself --------------------------------------------------------
 
 
@@ -85,10 +103,12 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-def _rollout(seed: int = 0, n: int = 16) -> Rollout:
+def _rollout(seed: int = 0, n: int = 16, group: int = 1) -> Rollout:
+    """n rows of random prompts (`group` rows to each) and completions of 1-12 tokens."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 300, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
+               for _ in range(n // group) for _ in [0]]
+    prompts = [p for p in prompts for _ in range(group)]
     completions = [torch.randint(3, 300, (int(torch.randint(1, 13, (1,), generator=g)),), generator=g).tolist()
                    for _ in range(n)]
     completions[5] = completions[5][:1]
@@ -106,11 +126,13 @@ def _data(model, rollout: Rollout) -> dict:
     return data
 
 
-def _update(model, loss_type: str, budget: int | None, beta: float, num_iterations: int) -> PolicyUpdate:
+def _update(model, loss_type: str, budget: int | None, beta: float, num_iterations: int,
+            share_prompts: bool | None = None) -> PolicyUpdate:
     args = GRPOConfig(output_dir=None, report_to="none", num_generations=4, per_device_train_batch_size=4,
                       gradient_accumulation_steps=2, steps_per_generation=4, max_prompt_length=8,
                       max_completion_length=12, loss_type=loss_type, beta=beta, num_iterations=num_iterations,
                       temperature=0.9, padding_free=budget is not None, max_tokens_per_micro_batch=budget,
+                      share_prompts=share_prompts,
                       gradient_checkpointing=False, optim="sgd")
     ref = copy.deepcopy(model).requires_grad_(False) if beta else None
     opt = RecordingSGD(model.parameters(), lr=0.1)
@@ -123,12 +145,14 @@ def _update(model, loss_type: str, budget: int | None, beta: float, num_iteratio
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 @pytest.mark.parametrize("beta, num_iterations", [(0.0, 1), (0.05, 2)])
-def test_token_budget_micro_batches_change_no_number(loss_type, beta, num_iterations):
+@pytest.mark.parametrize("group", [1, 4])
+def test_token_budget_micro_batches_change_no_number(loss_type, beta, num_iterations, group):
     """Token-budget micro-batches (padding-free) against fixed padded ones of 4 rows: the same
     per-token logprobs, loss and gradients, step by step, for every loss_type; 2 optimizer steps
-    a phase, with a reference model and old logprobs in the second case."""
+    a phase, with a reference model and old logprobs in the second case. With 4 rows to a prompt
+    (group 4) each micro-batch packs a prompt once, whole groups binned, some cut."""
     base = make_tiny_model("llama", seed=3).train()
-    data = _data(base, _rollout())
+    data = _data(base, _rollout(group=group))
     advantages = torch.randn(16, generator=torch.Generator().manual_seed(2))
     runs = {}
     for budget in (None, 24):
@@ -152,6 +176,8 @@ def test_token_budget_micro_batches_change_no_number(loss_type, beta, num_iterat
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     assert m_f["train/micro_batches"] == 2 and m_b["train/micro_batches"] == len(split.tokens) / 2
     assert m_b["train/tokens"] == m_f["train/tokens"] == data["attention_mask"].sum().item()
+    assert m_f["train/computed_tokens"] == m_f["train/tokens"]  # padded rows share nothing
+    assert (m_b["train/computed_tokens"] < m_b["train/tokens"]) == (group > 1)
     assert 0.5 < m_b["train/micro_batch_fill"] <= 1 and "train/micro_batch_fill" not in m_f
 
 
