@@ -48,7 +48,7 @@ def test_default_grpo_run_learns_in_bf16(tmp_path):
         mean_dlogp = sum(dlogp) / len(dlogp)
         print(f"{name}: held-out {before:.3f} -> {after:.3f}, "
               f"mean |dlogp| {mean_dlogp:.4f}, step {sum(r['time/step'] for r in rows[1:]) / (len(rows) - 1):.2f} s"
-              " (four runs sharing the GPU)")
+              f" ({len(RUNS)} runs sharing the GPU)")
         checks = {
             "60 steps": len(rows) == 60,
             "finite every step": all(r["grad_norm"] is not None for r in rows)
