@@ -7,6 +7,7 @@ Shapes: N = prompts x G completions, P = longest prompt (left-padded), T = longe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -79,26 +80,30 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
     Truncated completions get an all-zero mask when `mask_truncated`.
     """
     N = len(rollout.prompt_ids)
-    T = max(1, max(map(len, rollout.completion_ids)))
-    L = max(len(p) + len(c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
-    input_ids = torch.full((N, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((N, L), dtype=torch.long)
     prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
-    completion_mask = torch.zeros((N, T), dtype=torch.float32)
+    completion_lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.long)
+    seq_lens = prompt_lengths + completion_lengths
+    T = max(1, int(completion_lengths.max()))
+    L = int(seq_lens.max())
+    # Each row's tokens fill its first seq_len places, so the row-major order of the mask's places
+    # is the rows' tokens one after another: one tensor from one flat list, not one per row.
+    attention = (torch.arange(L) < seq_lens[:, None]).long()
+    input_ids = torch.full((N, L), pad_id, dtype=torch.long)
+    input_ids[attention.bool()] = torch.tensor(
+        list(chain.from_iterable(chain(p, c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids))),
+        dtype=torch.long)
+    sampled = torch.arange(T) < completion_lengths[:, None]  # [N, T]: a completion token sits there
     engine_logp = torch.zeros((N, T), dtype=torch.float32)
+    engine_logp[sampled] = torch.tensor(list(chain.from_iterable(rollout.engine_logps)), dtype=torch.float32)
+    completion_mask = sampled.float()
+    if mask_truncated:
+        completion_mask[torch.tensor(rollout.truncated, dtype=torch.bool)] = 0.0
     group_of: dict[tuple[int, ...], int] = {}
     groups = torch.tensor([group_of.setdefault(tuple(p), len(group_of)) for p in rollout.prompt_ids])
-    for i, (p, c, lp) in enumerate(zip(rollout.prompt_ids, rollout.completion_ids, rollout.engine_logps)):
-        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attention[i, : len(p) + len(c)] = 1
-        if c:
-            engine_logp[i, : len(c)] = torch.tensor(lp)
-            if not (mask_truncated and rollout.truncated[i]):
-                completion_mask[i, : len(c)] = 1.0
     return {
         "input_ids": input_ids.to(device), "attention_mask": attention.to(device),
         "prompt_lengths": prompt_lengths.to(device), "completion_mask": completion_mask.to(device),
         "engine_logp": engine_logp.to(device),
         # on the host, for what the trainer plans from them without reading the device back
-        "prompt_lengths_cpu": prompt_lengths, "seq_lens_cpu": attention.sum(-1), "prompt_groups_cpu": groups,
+        "prompt_lengths_cpu": prompt_lengths, "seq_lens_cpu": seq_lens, "prompt_groups_cpu": groups,
     }
