@@ -5,15 +5,30 @@ from __future__ import annotations
 _CONTEXT_TOKENS = 6  # prompt tokens decoded alongside, so the first word keeps its leading space
 
 
+def rust_backend(tokenizer):
+    """A fast tokenizer's Rust backend where it decodes the same text as the tokenizer (no cleanup
+    pass configured), else None: it skips transformers' per-call Python (argument normalisation,
+    a walk over every id, cleanup checks)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
+
+
+def batch_decode(tokenizer, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+    """`tokenizer.batch_decode`, through the Rust backend's batch call where it gives the same
+    texts (`rust_backend`): the sequences decoded in parallel threads, outside the GIL."""
+    backend = rust_backend(tokenizer)
+    if backend is None:
+        return tokenizer.batch_decode(sequences, skip_special_tokens=skip_special_tokens)
+    return backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        # A fast tokenizer's Rust backend decodes the same text without transformers' per-call
-        # Python (argument normalisation, cleanup passes): this runs twice per generated token.
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
-        self._backend_decode = backend.decode if backend is not None and not cleanup else None
+        # this runs twice per generated token: the Rust backend where it decodes the same text
+        backend = rust_backend(tokenizer)
+        self._backend_decode = backend.decode if backend is not None else None
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.num_context = len(self.ids)
         self.prefix_offset = 0

@@ -11,6 +11,7 @@ from itertools import chain
 
 import torch
 
+from tandem.engine.detokenizer import batch_decode
 from tandem.outputs import FlatLogprobs
 from tandem.rl.data import PromptBatch
 from tandem.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ def generate_rollout(llm, batch: PromptBatch, num_generations: int, params: Samp
             r.texts.append(c.text)
     tokenizer = llm.get_tokenizer()
     if not detokenize and tokenizer is not None:
-        r.texts = tokenizer.batch_decode(r.completion_ids, skip_special_tokens=params.skip_special_tokens)
+        r.texts = batch_decode(tokenizer, r.completion_ids, params.skip_special_tokens)
     return r
 
 

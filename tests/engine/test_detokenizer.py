@@ -5,7 +5,7 @@ import random
 import pytest
 from model_fixtures import make_tokenizer
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.detokenizer import IncrementalDetokenizer, batch_decode, rust_backend
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +47,20 @@ def test_random_ids_chunked_equal_per_token(tok):
         i += k
     many.flush()
     assert many.text == one.text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_batch_decode_gives_the_tokenizers_own_texts(tok, skip_special_tokens):
+    """Through the Rust backend's batch call (random ids, special tokens and empty rows among
+    them); with a cleanup pass configured, through the tokenizer itself, cleanup included."""
+    rng = random.Random(0)
+    rows = [[rng.randrange(len(tok)) for _ in range(rng.randrange(40))] for _ in range(50)] + [[]]
+    assert rust_backend(tok) is not None
+    assert batch_decode(tok, rows, skip_special_tokens) == tok.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert rust_backend(tok) is None
+        assert batch_decode(tok, rows, skip_special_tokens) == tok.batch_decode(
+            rows, skip_special_tokens=skip_special_tokens)
+    finally:
+        tok.clean_up_tokenization_spaces = False
