@@ -62,7 +62,7 @@ def balanced_bins(lengths: list[int], k: int) -> list[list[int]]:
 
 
 def token_budget_bins(lengths: list[int], budget: int, agree: Callable[[int], int] = lambda v: v,
-                      groups: "PromptGroups | None" = None) -> list[list[int]]:
+                      groups: PromptGroups | None = None) -> list[list[int]]:
     """`lengths` (one optimizer step's rows) in as few balanced bins of at most `budget` tokens as
     the greedy finds. `agree` is the max over data-parallel ranks: every rank runs the same number
     of micro-batches (FSDP gathers per forward pass), and all raise together on a row too long.

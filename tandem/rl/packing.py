@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 from functools import cache
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -152,8 +153,7 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
 
 
 def _pairs(cu: torch.Tensor) -> list[tuple[int, int]]:
-    bounds = cu.tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(pairwise(cu.tolist()))
 
 
 @cache

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 from tandem.engine.detokenizer import batch_decode
@@ -76,26 +77,29 @@ def pack(rollout: Rollout, pad_id: int, device: torch.device, mask_truncated: bo
     input_ids / attention_mask [N, L], prompt_lengths [N] (where row i's completion starts),
     completion_mask and engine_logp [N, T] on `device`; prompt_lengths_cpu, seq_lens_cpu [N]
     (prompt + completion tokens) and prompt_groups_cpu [N] (one id for the rows of one prompt's
-    tokens, `GRPOConfig.share_prompts`) on the host. No row is left-padded: a left pad is a query position
-    that attends to nothing, which SDPA's bf16 backward turns into NaN gradients (`logprobs.py`).
+    tokens, `GRPOConfig.share_prompts`) on the host. No row is left-padded: a left pad is a query
+    position that attends to nothing, which SDPA's bf16 backward turns into NaN gradients
+    (`logprobs.py`).
     Truncated completions get an all-zero mask when `mask_truncated`.
     """
     N = len(rollout.prompt_ids)
+    if any(len(lp) != len(c) for lp, c in zip(rollout.engine_logps, rollout.completion_ids)):
+        raise ValueError("every completion needs one engine logprob per token (Rollout.engine_logps)")
     prompt_lengths = torch.tensor([len(p) for p in rollout.prompt_ids], dtype=torch.long)
     completion_lengths = torch.tensor([len(c) for c in rollout.completion_ids], dtype=torch.long)
     seq_lens = prompt_lengths + completion_lengths
     T = max(1, int(completion_lengths.max()))
     L = int(seq_lens.max())
     # Each row's tokens fill its first seq_len places, so the row-major order of the mask's places
-    # is the rows' tokens one after another: one tensor from one flat list, not one per row.
+    # is the rows' tokens one after another: one array from one pass, not a tensor per row.
     attention = (torch.arange(L) < seq_lens[:, None]).long()
     input_ids = torch.full((N, L), pad_id, dtype=torch.long)
-    input_ids[attention.bool()] = torch.tensor(
-        list(chain.from_iterable(chain(p, c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids))),
-        dtype=torch.long)
+    tokens = chain.from_iterable(chain(p, c) for p, c in zip(rollout.prompt_ids, rollout.completion_ids))
+    input_ids[attention.bool()] = torch.from_numpy(np.fromiter(tokens, np.int64, int(seq_lens.sum())))
     sampled = torch.arange(T) < completion_lengths[:, None]  # [N, T]: a completion token sits there
     engine_logp = torch.zeros((N, T), dtype=torch.float32)
-    engine_logp[sampled] = torch.tensor(list(chain.from_iterable(rollout.engine_logps)), dtype=torch.float32)
+    engine_logp[sampled] = torch.from_numpy(
+        np.fromiter(chain.from_iterable(rollout.engine_logps), np.float32, int(completion_lengths.sum())))
     completion_mask = sampled.float()
     if mask_truncated:
         completion_mask[torch.tensor(rollout.truncated, dtype=torch.bool)] = 0.0
