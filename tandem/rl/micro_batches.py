@@ -42,6 +42,18 @@ class MicroBatches:
         return "rows " + ", ".join(map(str, sorted(self.order[s].tolist())))
 
 
+def describe(args) -> str:
+    """One line for the run's start: how a training phase's rows become micro-batches."""
+    size = (f"of at most {args.max_tokens_per_micro_batch:,} tokens" if args.max_tokens_per_micro_batch
+            else f"of {args.per_device_train_batch_size} rows")
+    if not args.padding_free:
+        return (f"micro-batches: padded rows, {size} (padding_free=True packs them: no FLOP on padding, "
+                "and each prompt once with its completions)")
+    shared = ("each prompt packed once with its completions" if args.shares_prompts
+              else "each row with its own prompt (share_prompts=False)")
+    return f"micro-batches: padding-free, {size}, {shared}"
+
+
 def fixed_steps(num_rows: int, rows_per_micro_batch: int, micro_batches_per_step: int) -> list[list[slice]]:
     """TRL's split: micro-batches of rows_per_micro_batch rows, gradient_accumulation_steps of them
     to an optimizer step."""

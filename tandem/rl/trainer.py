@@ -22,7 +22,7 @@ from tandem.engine.gc_pause import frozen_heap
 from tandem.models import hub
 from tandem.rl import callbacks as callbacks_mod
 from tandem.rl import checkpoint as ckpt
-from tandem.rl import fused_layers, grad_accum_linear, lora, memory_setup
+from tandem.rl import fused_layers, grad_accum_linear, lora, memory_setup, micro_batches
 from tandem.rl.config import GRPOConfig, resolve_interval
 from tandem.rl.data import RepeatSampler, build_prompt_batch, load_prompt_dataset
 from tandem.rl.distributed import DistributedContext, gather_rewards
@@ -101,6 +101,7 @@ class GRPOTrainer:
             fused_note += "\n" + (linear_note or grad_accum_linear.patch_model(self.model))
         if self.dist.is_main:
             print(fused_note, flush=True)
+            print(micro_batches.describe(args), flush=True)
         self.dist.broadcast_params(self.model)
         self.train_dataset = load_prompt_dataset(train_dataset)
         self.eval_dataset = load_prompt_dataset(eval_dataset) if eval_dataset is not None else None

@@ -14,7 +14,7 @@ from tandem.rl.config import GRPOConfig
 from tandem.rl.distributed import DistributedContext
 from tandem.rl.logprobs import completion_logps
 from tandem.rl.memory_setup import plan_before_loading
-from tandem.rl.micro_batches import balanced_bins, fixed_steps, split_rows, token_budget_bins
+from tandem.rl.micro_batches import balanced_bins, describe, fixed_steps, split_rows, token_budget_bins
 from tandem.rl.rollout import Rollout, pack
 from tandem.rl.strategy import make_strategy
 from tandem.rl.update import PolicyUpdate
@@ -85,6 +85,18 @@ def test_shared_prompt_micro_batches_bin_whole_groups_and_count_each_prompt_once
     assert all(t <= 12 for t in cut.tokens) and sum(cut.tokens) == 14 + 14 + 12 + 4 + 2
     with pytest.raises(ValueError, match="sequence of 12 tokens"):
         split_rows(mask, 6, 1, budget=11, prompts=(plens, groups))
+
+
+def test_the_run_says_how_rows_become_micro_batches():
+    def line(**kw):
+        return describe(GRPOConfig(output_dir=None, report_to="none", per_device_train_batch_size=8,
+                                   num_generations=4, **kw))
+
+    assert line() == ("micro-batches: padded rows, of 8 rows (padding_free=True packs them: no FLOP on "
+                      "padding, and each prompt once with its completions)")
+    assert line(padding_free=True) == "micro-batches: padding-free, of 8 rows, each prompt packed once with its completions"
+    assert line(padding_free=True, share_prompts=False, max_tokens_per_micro_batch=4096) == (
+        "micro-batches: padding-free, of at most 4,096 tokens, each row with its own prompt (share_prompts=False)")
 
 
 # ---- invariance: the training phase itself --------------------------------------------------------
