@@ -390,8 +390,7 @@ class LLMEngine:
         if accepted is None:  # the step failed before the grammars took their tokens
             return
         for seq, ok in zip(rows, accepted):
-            if not ok or seq.matcher.is_stopped():
-                seq.grammar_stop = ("stop", None)
+            self._grammar_verdict(seq, ok)
         for seq, state in held:
             if seq.grammar_stop is not None:
                 self.scheduler.finish(seq, *seq.grammar_stop)
@@ -403,7 +402,12 @@ class LLMEngine:
     def _advance_grammar(seq: Sequence, token_id: int) -> None:
         """The sample's grammar takes its new token; it ends when the grammar is complete and
         can take nothing more (or, should a token break it, at once)."""
-        if not seq.matcher.consume_token(token_id) or seq.matcher.is_stopped():
+        LLMEngine._grammar_verdict(seq, seq.matcher.consume_token(token_id))
+
+    @staticmethod
+    def _grammar_verdict(seq: Sequence, accepted: bool) -> None:
+        """A sample whose grammar refused its token, or is complete, ends with "stop"."""
+        if not accepted or seq.matcher.is_stopped():
             seq.grammar_stop = ("stop", None)
 
     @staticmethod

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.rl.packing import rows_by_prompt
+
 
 @dataclass
 class MicroBatches:
@@ -78,7 +80,7 @@ def token_budget_bins(lengths: list[int], budget: int, agree: Callable[[int], in
     """`lengths` (one optimizer step's rows) in as few balanced bins of at most `budget` tokens as
     the greedy finds. `agree` is the max over data-parallel ranks: every rank runs the same number
     of micro-batches (FSDP gathers per forward pass), and all raise together on a row too long.
-    `groups`: what is binned is each prompt's rows together (`PromptGroups`), not single rows."""
+    `groups`: what is binned is each prompt's rows together (`PromptGroups`; None: each row)."""
     longest = agree(max(lengths))
     if longest > budget:
         raise ValueError(
@@ -86,15 +88,14 @@ def token_budget_bins(lengths: list[int], budget: int, agree: Callable[[int], in
             f"max_tokens_per_micro_batch ({budget}); raise it, or set max_prompt_length so that "
             "max_prompt_length + max_completion_length fits"
         )
-    units = [[i] for i in range(len(lengths))] if groups is None else groups.units(budget)
-    cost = (lambda rows: sum(lengths[i] for i in rows)) if groups is None else groups.cost
-    k = math.ceil(sum(map(cost, units)) / budget)
+    groups = PromptGroups.of_rows(lengths) if groups is None else groups
+    units = groups.units(budget)
+    k = math.ceil(sum(map(groups.cost, units)) / budget)
     while True:
         k = agree(k)
-        if groups is not None:  # k micro-batches need k units; every rank runs k (FSDP)
-            units = groups.cut(units, k)
-        bins = [sorted(i for u in b for i in units[u]) for b in balanced_bins([cost(u) for u in units], k)]
-        if not agree(int(any(cost(b) > budget for b in bins))):
+        units = groups.cut(units, k)  # k micro-batches need k units; every rank runs k (FSDP)
+        bins = [sorted(i for u in b for i in units[u]) for b in balanced_bins(list(map(groups.cost, units)), k)]
+        if not agree(int(any(groups.cost(b) > budget for b in bins))):
             return bins
         k += 1
 
@@ -107,6 +108,15 @@ class PromptGroups:
     def __init__(self, lengths: list[int], prompt_lens: list[int], ids: list[int]):
         self.lengths, self.prompt_lens, self.ids = lengths, prompt_lens, ids
 
+    @classmethod
+    def of_rows(cls, lengths: list[int]) -> PromptGroups:
+        """Rows that share nothing: each its own unit, costing its own tokens."""
+        return cls(lengths, [0] * len(lengths), list(range(len(lengths))))
+
+    def take(self, rows) -> PromptGroups:
+        """These rows alone, numbered from 0."""
+        return PromptGroups(*([v[i] for i in rows] for v in (self.lengths, self.prompt_lens, self.ids)))
+
     def cost(self, rows) -> int:
         prompts = {self.ids[i]: self.prompt_lens[i] for i in rows}
         return sum(prompts.values()) + sum(self.lengths[i] - self.prompt_lens[i] for i in rows)
@@ -114,11 +124,8 @@ class PromptGroups:
     def units(self, budget: int) -> list[list[int]]:
         """Each prompt's rows in order, cut before a row that would take them over `budget` (a row
         over it alone stays whole: token_budget_bins has refused it)."""
-        members: dict[int, list[int]] = {}
-        for i, g in enumerate(self.ids):
-            members.setdefault(g, []).append(i)
         units = []
-        for rows in members.values():
+        for rows in rows_by_prompt(self.ids):
             unit: list[int] = []
             for i in rows:
                 if unit and self.cost(unit + [i]) > budget:
@@ -147,25 +154,20 @@ def split_rows(attention_mask: torch.Tensor, rows_per_micro_batch: int, micro_ba
     each prompt once (`GRPOConfig.share_prompts`): a micro-batch's tokens then count a group's
     prompt once, and a budget bins a prompt's rows together (`PromptGroups`)."""
     lengths = attention_mask.sum(-1).tolist()  # real tokens of each row
-    plens, ids = (None, None) if prompts is None else (prompts[0].tolist(), prompts[1].tolist())
+    rows_of = (PromptGroups.of_rows(lengths) if prompts is None
+               else PromptGroups(lengths, prompts[0].tolist(), prompts[1].tolist()))
     steps = fixed_steps(len(lengths), rows_per_micro_batch, micro_batches_per_step)
-
-    def groups(rows: range) -> PromptGroups | None:
-        return None if prompts is None else PromptGroups(*([v[i] for i in rows] for v in (lengths, plens, ids)))
-
-    def cost(rows: range) -> int:
-        return sum(lengths[i] for i in rows) if prompts is None else groups(rows).cost(range(len(rows)))
-
     if budget is None:
-        return MicroBatches(None, steps, [cost(range(s.start, s.stop)) for step in steps for s in step])
+        return MicroBatches(None, steps, [rows_of.cost(range(s.start, s.stop)) for step in steps for s in step])
     order: list[int] = []
     split, tokens = [], []
     for step in steps:
         rows = range(step[0].start, step[-1].stop)
+        local = rows_of.take(rows)
         micro = []
-        for b in token_budget_bins([lengths[i] for i in rows], budget, agree, groups(rows)):
+        for b in token_budget_bins(local.lengths, budget, agree, local):
             micro.append(slice(len(order), len(order) + len(b)))
             order += [rows[i] for i in b]
-            tokens.append(cost([rows[i] for i in b]))
+            tokens.append(rows_of.cost([rows[i] for i in b]))
         split.append(micro)
     return MicroBatches(torch.tensor(order, device=attention_mask.device), split, tokens)

@@ -71,13 +71,10 @@ def _shared_layout(lengths: torch.Tensor, prompt_lens: torch.Tensor, groups: tor
     place in [B, L], its position, the query and key segments' boundaries, the keys' source
     tokens, each row's prompt start and how far its completion sits past prompt start + prompt."""
     prompt_lens, lengths = prompt_lens.tolist(), lengths.tolist()
-    members: dict[int, list[int]] = {}
-    for b, g in enumerate(groups.tolist()):
-        members.setdefault(g, []).append(b)
     flat, positions, q_lens, k_lens, kv = [], [], [], [], []
     row_starts, shift = [0] * len(lengths), [0] * len(lengths)
     at = 0  # packed tokens so far
-    for rows in members.values():
+    for rows in rows_by_prompt(groups.tolist()):
         P = prompt_lens[rows[0]]
         if any(prompt_lens[b] != P for b in rows):
             raise ValueError(f"rows {rows} share a prompt group but not a prompt length "
@@ -104,6 +101,14 @@ def _shared_layout(lengths: torch.Tensor, prompt_lens: torch.Tensor, groups: tor
     cu_k = F.pad(torch.cumsum(torch.tensor(k_lens), 0), (1, 0))
     return (torch.cat(flat), torch.cat(positions), cu_q, cu_k, torch.cat(kv),
             torch.tensor(row_starts), torch.tensor(shift))
+
+
+def rows_by_prompt(ids: list[int]) -> list[list[int]]:
+    """The rows of each prompt group id, groups in order of their first row."""
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(ids):
+        members.setdefault(g, []).append(row)
+    return list(members.values())
 
 
 def packed_positions(packed: dict, b_idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
