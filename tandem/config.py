@@ -65,6 +65,14 @@ class EngineConfig:
     # requests admitting each on arrival makes most steps mixed. TGI's max_waiting_tokens does the
     # same. 0 (the default) admits at once; without graphs (CPU, enforce_eager) nothing waits.
     max_admission_delay_steps: int = 0
+    # Decode steps run back to back per scheduling round (vLLM v0's --num-scheduler-steps): the
+    # host schedules, books and reads back once per window of up to this many steps, each step's
+    # sampled tokens feeding the next on the device. Its cost per token (Python, a few us a
+    # sequence) then no longer outruns a decode step at large batches. A window runs when every
+    # sequence decodes and nothing waits to join; a sample that stops inside it has computed up
+    # to num_scheduler_steps - 1 tokens for nothing, and streamed outputs come a window at a time.
+    # 1: every step is scheduled.
+    num_scheduler_steps: int = 1
     # Every op with a fixed per-row arithmetic (tandem.batch_invariant): a token's logits depend on
     # its sequence alone, so a trainer scoring the rollout with the same kernels gets the engine's
     # logprobs exactly. Slower; for RL parity, not serving. Process-wide once an engine turns it on.
@@ -99,6 +107,7 @@ class EngineConfig:
             )
         self.max_model_len = check_int("max_model_len", self.max_model_len, 1, optional=True)
         self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1, _MAX_COUNT)
+        self.num_scheduler_steps = check_int("num_scheduler_steps", self.num_scheduler_steps, 1, 64)
         self.max_num_batched_tokens = check_int(
             "max_num_batched_tokens", self.max_num_batched_tokens, 1, _MAX_COUNT
         )

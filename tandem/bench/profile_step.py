@@ -156,7 +156,8 @@ def profile_decode(
         raise RuntimeError("profile_decode needs an idle engine; it has unfinished requests")
     device = engine.device
     warmup = 3
-    max_tokens = warmup + 2 * num_steps + 2
+    window = engine.config.num_scheduler_steps  # each phase may run up to a window past its count
+    max_tokens = warmup + 2 * num_steps + 2 + 3 * window
     prompt_len = max(1, min(prompt_len, engine.max_model_len - max_tokens - 1))
     bs = engine.config.block_size
     blocks_per_seq = -(-(prompt_len + max_tokens) // bs)
@@ -167,14 +168,15 @@ def profile_decode(
     if getattr(llm, "tp_workers", None) is not None:
         wall_ms, prof = _profile_mirrored(llm, batch, prompt_len, max_tokens, num_steps, warmup, seed,
                                           activities)
+        profiled = num_steps
     else:
-        wall_ms, prof = _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, seed,
-                                       activities)
+        wall_ms, prof, profiled = _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup,
+                                                 seed, activities)
     context = prompt_len + 1 + warmup + num_steps / 2  # mean tokens per sequence, timed
     if trace_path:
         prof.export_chrome_trace(trace_path)
     result = {"batch": batch, "prompt_len": prompt_len, "wall_ms": wall_ms,
-              **summarize(_events(prof), num_steps)}
+              **summarize(_events(prof), profiled)}
     ceiling = _ceiling_ms(engine, batch, context)
     if ceiling is not None:
         result["ceiling_ms"] = ceiling
@@ -187,29 +189,42 @@ def profile_decode(
 
 
 def _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, seed, activities):
-    """Drive the engine step by step: time `num_steps` decode steps, then profile as many."""
+    """Drive the engine step by step: time `num_steps` decode steps, then profile as many (at
+    least: a decode window runs several per engine step). Returns the ms per decode step, the
+    profile and the decode steps it holds."""
     device = engine.device
     ids = _add_batch(engine, batch, prompt_len, max_tokens, seed)
+
+    def decode_steps():
+        return engine.step_stats["decode"][0]
+
+    def run(n, each=lambda: engine.step()):
+        start = decode_steps()
+        while decode_steps() - start < n:
+            each()
+        return decode_steps() - start
+
     try:
         seqs = [s for rid in ids for s in engine.requests[rid].seqs]
         while any(s.num_output_tokens == 0 for s in seqs):
             engine.step()  # prefills, and the first token of every sequence
-        for _ in range(warmup):
-            engine.step()
+        run(warmup)
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(num_steps):
-            engine.step()
+        timed = run(num_steps)
         _sync(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / num_steps
+        wall_ms = (time.perf_counter() - t0) * 1e3 / timed
+
+        def step():
+            with record_function(STEP):
+                engine.step()
+
         with profile(activities=activities) as prof:
-            for _ in range(num_steps):
-                with record_function(STEP):
-                    engine.step()
+            profiled = run(num_steps, step)
             _sync(device)
     finally:
         engine.abort_request(ids)
-    return wall_ms, prof
+    return wall_ms, prof, profiled
 
 
 def _profile_mirrored(llm, batch, prompt_len, max_tokens, num_steps, warmup, seed, activities):

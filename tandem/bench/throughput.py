@@ -54,6 +54,7 @@ class ThroughputConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
+    num_scheduler_steps: int | None = None  # None: the engine's default (EngineConfig)
     tensor_parallel_size: int = 1
     decode_gemm: str = "cublas"  # EngineConfig.decode_gemm
     profile: bool = False  # after the timed run, profile decode steps (torch.profiler)
@@ -169,6 +170,7 @@ def run_tandem(
         seed=cfg.seed,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enforce_eager=cfg.enforce_eager, async_scheduling=cfg.async_scheduling,
+        **({} if cfg.num_scheduler_steps is None else {"num_scheduler_steps": cfg.num_scheduler_steps}),
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
         decode_gemm=cfg.decode_gemm,
     )
@@ -403,6 +405,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
                    help="launch each step before reading the previous one's tokens (default: on for CUDA)")
+    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                   help="decode steps per scheduling round (default: the engine's)")
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="GPUs to shard tandem's model over")
     p.add_argument("--decode-gemm", default=d.decode_gemm,

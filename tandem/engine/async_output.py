@@ -17,7 +17,10 @@ from tandem.layers.sampler import SamplerOutput
 class AsyncSamplerOutput:
     def __init__(self, sampled: SamplerOutput, reads_history: bool = False,
                  advances_grammars: bool = False):
-        self.token_ids = sampled.token_ids  # device: the next step gathers its inputs from here
+        # a decode window's tokens are [B, K]: get() gives each row's K in a list
+        self.num_steps = sampled.token_ids.shape[1] if sampled.token_ids.dim() == 2 else 1
+        # device: the next step gathers its inputs from here (a window's: its last step's)
+        self.token_ids = sampled.token_ids if self.num_steps == 1 else sampled.token_ids[:, -1]
         # the next step's sampling needs this one's ids on the host (penalty counts): read first
         self.reads_history = reads_history
         # its constrained rows' grammars take this step's tokens before the next step samples
@@ -47,7 +50,8 @@ class AsyncSamplerOutput:
         return self._event is None or self._event.query()
 
     def get(self) -> tuple[list[int], list[float], list | None, list | None, list | None]:
-        """(token ids, logprobs, top-k ids, top-k logprobs, ranks) as Python lists."""
+        """(token ids, logprobs, top-k ids, top-k logprobs, ranks) as Python lists (a decode
+        window's ids, logprobs and ranks: a list of K per row)."""
         if self._lists is None:
             if self._event is not None:
                 t0 = time.perf_counter()
@@ -55,7 +59,10 @@ class AsyncSamplerOutput:
                 self.wait_s = time.perf_counter() - t0
             lists = [None if t is None else t.tolist() for t in self._host]
             ids_lps, topk_ids, topk_lps, ranks = lists[:4]
-            token_ids = [int(t) for t in ids_lps[0]]
+            if self.num_steps == 1:
+                token_ids = [int(t) for t in ids_lps[0]]
+            else:
+                token_ids = [list(map(int, row)) for row in ids_lps[0]]
             self._lists = (token_ids, ids_lps[1], topk_ids, topk_lps, ranks)
             self._prompt_lists = lists[4:]
         return self._lists

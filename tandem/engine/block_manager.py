@@ -124,8 +124,11 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full of computed tokens under their chained hash."""
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        """Register blocks that became full of computed tokens under their chained hash. A block
+        whose ids are not all known yet (a decode window's tokens still in flight) waits for a
+        later call."""
+        known = min(seq.num_computed_tokens, len(seq.token_ids))
+        num_full = min(known // self.block_size, len(seq.block_table))
         if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
             return  # the common case, every decode step: no block filled up
         for i in range(seq.num_registered_blocks, num_full):

@@ -15,6 +15,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.stop_checker import window_tokens_kept
 from tandem.engine.structured_output import StructuredOutputManager, check_grammar
 from tandem.engine.worker import Worker
 from tandem.weights.check import TensorSpec, specs_of
@@ -47,6 +48,7 @@ class LLMEngine:
             config.enable_chunked_prefill,
             # without graphs no step is cheaper than another: holding prompts back gains nothing
             config.max_admission_delay_steps if self.worker.has_graphs else 0,
+            config.num_scheduler_steps,
         )
         # vLLM's async scheduling: on by default where a device runs asynchronously to the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -305,7 +307,7 @@ class LLMEngine:
         if not self.async_scheduling:
             self.drain()
         stats = self.step_stats["decode" if sched.is_decode_only else "prefill_or_mixed"]
-        stats[0] += 1
+        stats[0] += sched.num_steps
         stats[1] += time.perf_counter() - t0
 
     def drain(self) -> None:
@@ -334,6 +336,9 @@ class LLMEngine:
         self.device_wait_s += sampled.wait_s
         if sampled.prompt_spans:
             self._record_prompt_logprobs(sched, sampled)
+        if sampled.num_steps > 1:
+            self._postprocess_window(sched, token_ids, logprobs, ranks, touched)
+            return
         outputs = self.output_processor
         row = -1
         for seq, smp in zip(sched.seqs, sched.sampling):
@@ -355,6 +360,29 @@ class LLMEngine:
                 if not sampled.grammars_advanced:
                     self._advance_grammar(seq, token_ids[row])
                 stop = seq.grammar_stop
+            if stop is not None:
+                self.scheduler.finish(seq, stop[0], stop[1])
+            if outputs.output_due(state, seq):
+                touched[seq.request_id] = state
+
+    def _postprocess_window(self, sched: SchedulerOutput, token_ids: list[list[int]], logprobs: list[list[float]],
+                            ranks: list[list[int]] | None, touched: dict[str, RequestState]) -> None:
+        """A decode window's K tokens a sequence (every row sampled): each sample keeps them up
+        to its first stop token and then ends as it would have token by token (the window let
+        nothing else end it: `Scheduler._decode_window`)."""
+        outputs = self.output_processor
+        for seq, ids, lps, row in zip(sched.seqs, token_ids, logprobs, itertools.count()):
+            if not seq.has_placeholder:
+                continue  # finished or aborted meanwhile
+            keep = window_tokens_kept(seq, ids)
+            if keep < len(ids):
+                ids, lps = ids[:keep], lps[:keep]
+            seq.fill_placeholders(ids, lps)
+            if seq.sampling_params.logprobs is not None:
+                seq.output_ranks += ranks[row][:keep]
+            state = self.requests[seq.request_id]
+            self.num_generated_tokens += keep
+            stop = outputs.check_stop(state, seq)
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):

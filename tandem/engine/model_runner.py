@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,6 +25,27 @@ from tandem.layers.sampler import (
 )
 
 PROMPT_LOGPROB_ROWS = 1024  # logits rows materialised at once for prompt logprobs ([rows, V] fp32)
+
+
+@dataclass
+class DecodeWindow:
+    """A decode window's steps (`SchedulerOutput.num_steps`): step k's inputs sit at position
+    p + k of each sequence, written to the slot for it, over a context one longer each step."""
+
+    positions: torch.Tensor  # [K, B] int64
+    slot_mapping: torch.Tensor  # [K, B] int64
+    seq_lens: torch.Tensor  # [K, B] int32
+    seq_lens_cpu: np.ndarray  # [K, B]
+
+    @property
+    def num_steps(self) -> int:
+        return self.positions.shape[0]
+
+    def meta(self, first: AttentionMetadata, k: int) -> AttentionMetadata:
+        """Step k's attention metadata (step 0's is `first`)."""
+        lens = self.seq_lens_cpu[k]
+        return dataclasses.replace(first, slot_mapping=self.slot_mapping[k], seq_lens=self.seq_lens[k],
+                                   max_seq_len=int(lens.max()), seq_lens_cpu=lens.tolist())
 
 
 class ModelRunner:
@@ -107,12 +130,14 @@ class ModelRunner:
 
     def prepare_inputs(
         self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], DecodeWindow | None]:
         """Flatten the step into token ids, positions, slot mapping and block tables.
 
         Built with numpy and moved to the device in one pinned copy: this runs every step. Inputs
         that are still placeholders (tokens the previous, in-flight step is sampling) are filled
-        on the device from `prev_token_ids`.
+        on the device from `prev_token_ids`. A decode window (`sched.num_steps` > 1) gets every
+        step's positions, slots and context lengths in the same copy (`DecodeWindow`); the ids
+        and metadata returned are its first step's.
         """
         bs = self.block_size
         seqs = sched.seqs
@@ -126,11 +151,16 @@ class ModelRunner:
         # sequences whose chunk reaches their placeholder: that last input is filled on the device
         pending_seqs = [i for i, (s, a, k) in enumerate(zip(seqs, starts.tolist(), sched.num_new_tokens))
                         if s.num_placeholders and a + k > len(s.token_ids)]
+        K = sched.num_steps
+        width = B if K == 1 else -(-B // 4) * 4  # a window's rows, each starting 16-byte aligned
         if decode_only:
             # (a pending row reads a stale id here, overwritten on the device below)
             input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, B)
             positions = starts
             seq_index = np.arange(B)
+            if K > 1:  # [K, width] flat: step k's positions (padding columns repeat the last row)
+                seq_index = np.tile(np.minimum(np.arange(width), B - 1), K)
+                positions = starts[seq_index] + np.repeat(np.arange(K), width)
         else:
             input_ids = np.zeros(T, dtype=np.int64)
             for s, a, k, q in zip(seqs, starts.tolist(), sched.num_new_tokens, qsl.tolist()):
@@ -141,7 +171,7 @@ class ModelRunner:
         tables = self._block_tables(seqs)
         max_blocks = tables.shape[1]
         slots = tables[seq_index, positions // bs] * bs + positions % bs
-        seq_lens = starts + n
+        seq_lens = starts + n if K == 1 else positions + 1
         parts = [input_ids, positions, slots, qsl, seq_lens, tables.ravel()]
         pending = qsl[1:][pending_seqs] - 1  # flat index of each placeholder input
         if pending_seqs:
@@ -167,19 +197,24 @@ class ModelRunner:
         if len(pending):
             input_dev = input_dev.clone()
             input_dev[part[6]] = prev_token_ids[part[7]]
+        lens = part[4].to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=part[2],
+            slot_mapping=part[2][:T],
             query_start_loc=part[3].to(torch.int32),
-            seq_lens=part[4].to(torch.int32),
+            seq_lens=lens[:B],
             block_tables=part[5].view(B, max_blocks).to(torch.int32),
             max_query_len=int(n.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=int(seq_lens[:B].max()),
             decode_only=decode_only,
             query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            seq_lens_cpu=seq_lens[:B].tolist(),
         )
         sample_rows = (qsl[1:][np.asarray(sched.sampling, dtype=bool)] - 1).tolist()
-        return input_dev, part[1], meta, sample_rows
+        window = None
+        if K > 1:
+            window = DecodeWindow(*(t.view(K, width)[:, :B] for t in (part[1], part[2], lens)),
+                                  seq_lens.reshape(K, width)[:, :B])
+        return input_dev, part[1][:T], meta, sample_rows, window
 
     def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         """[B, longest table] int64, zero-padded. Kept between steps: while the batch holds the
@@ -371,7 +406,9 @@ class ModelRunner:
         which accepted); `while_masking` runs on this thread while a worker thread has them take
         the tokens and fills the step's grammar masks (the engine reads the previous step back)."""
         plp_rows = self._prompt_logprob_rows(sched)
-        input_ids, positions, meta, sample_rows = self.prepare_inputs(sched, prev_token_ids)
+        input_ids, positions, meta, sample_rows, window = self.prepare_inputs(sched, prev_token_ids)
+        if window is not None:
+            return self._run_window(sched, input_ids, meta, window)
         graphs = self.graph_runner
         num_tokens, num_seqs = input_ids.shape[0], len(sched.seqs)
         rows = None
@@ -426,6 +463,31 @@ class ModelRunner:
         out = self.sampler(logits, m)
         out.prompt_logprobs = prompt_lps
         return out
+
+    def _run_window(self, sched: SchedulerOutput, input_ids: torch.Tensor, meta: AttentionMetadata,
+                    window: DecodeWindow) -> SamplerOutput:
+        """A decode window: its steps launched back to back, each step's sampled tokens the next
+        one's inputs on the device, with no read-back between them. Returns the tokens [B, K]
+        (each sequence's K in order), their logprobs and ranks alike."""
+        m = self.prepare_sampling(sched.seqs)  # windowable rows: the same tensors every step
+        graphs = self.graph_runner
+        replay = graphs is not None and graphs.can_run(len(sched.seqs))
+        ids, steps = input_ids, []
+        for k in range(window.num_steps):
+            step_meta = meta if k == 0 else window.meta(meta, k)
+            positions = window.positions[k]
+            if replay:
+                logits = graphs.run(ids, positions, step_meta.slot_mapping, step_meta.seq_lens, step_meta.block_tables)
+            else:
+                with set_attention_metadata(step_meta):
+                    logits = self.model.compute_logits(self.model(ids, positions))
+            # a seeded row's draw is keyed by its token count: one more each step
+            step_m = m if k == 0 or m.seed_offsets is None else dataclasses.replace(m, seed_offsets=m.seed_offsets + k)
+            steps.append(self.sampler(logits, step_m))
+            ids = steps[-1].token_ids
+        ranks = None if steps[0].ranks is None else torch.stack([o.ranks for o in steps], dim=1)
+        return SamplerOutput(token_ids=torch.stack([o.token_ids for o in steps], dim=1),
+                             logprobs=torch.stack([o.logprobs for o in steps], dim=1), ranks=ranks)
 
     def advance_grammars_async(self, pairs: list[tuple[object, int]]) -> None:
         """The grammars take their tokens ((matcher, token) pairs) on the worker thread, before

@@ -18,6 +18,9 @@ class SchedulerOutput:
     # whether each sequence's chunk reaches its last token, so the step samples a token for it
     sampling: list[bool] = field(default_factory=list)
     num_preempted: int = 0
+    # decode steps the step runs back to back (EngineConfig.num_scheduler_steps): each samples a
+    # token per sequence that feeds the next on the device; the host books them all at once
+    num_steps: int = 1
 
     def add(self, seq: Sequence, num_new: int) -> None:
         self.seqs.append(seq)
@@ -52,6 +55,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         max_admission_delay_steps: int = 0,
+        num_scheduler_steps: int = 1,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -61,6 +65,7 @@ class Scheduler:
         # decode-only step; they join at once when this many tokens wait
         self.max_admission_delay_steps = max_admission_delay_steps
         self.admission_batch_tokens = max(1, max_num_batched_tokens // 2)
+        self.num_scheduler_steps = num_scheduler_steps
         self._held_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -111,6 +116,10 @@ class Scheduler:
 
         if out.num_preempted:
             return out  # memory is short: do not admit new work this step
+        if self.num_scheduler_steps > 1 and out.seqs and (not self.waiting or len(running) >= self.max_num_seqs):
+            out.num_steps = self._decode_window(out)
+            if out.num_steps > 1:
+                return out  # nothing could join this step anyway
         if self.waiting and self._holds_admission(out):
             self._held_steps += 1
             return out
@@ -140,6 +149,30 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _decode_window(self, out: SchedulerOutput) -> int:
+        """How many decode steps this decode-only step may run back to back (vLLM v0's
+        multi-step scheduling): up to num_scheduler_steps, while every sequence's next tokens can
+        only end it at a token the host checks the same way afterwards (`Sequence.windowable`:
+        stop tokens and max_tokens, no stop strings, penalties, grammars or min_tokens left), and
+        none reaches its token limit inside the window. The blocks for the window's tokens are
+        taken now, all or none: a window is never worth a preemption."""
+        if not out.is_decode_only or not all(out.sampling):  # (a 1-token prompt chunk samples nothing)
+            return 1
+        steps = self.num_scheduler_steps
+        for seq in out.seqs:
+            if not seq.windowable or seq.num_output_tokens < seq.sampling_params.min_tokens:
+                return 1
+            steps = min(steps, seq.max_num_tokens - seq.num_tokens)
+        if steps < 2:
+            return 1
+        bm = self.block_manager  # (the step's one input a sequence already has its block for)
+        needed = sum(bm.blocks_needed(s.num_computed_tokens + steps) - len(s.block_table) for s in out.seqs)
+        if needed > bm.num_free_blocks:
+            return 1
+        for seq in out.seqs:
+            bm.try_append(seq, steps)
+        return steps
 
     def _holds_admission(self, out: SchedulerOutput) -> bool:
         """Whether the waiting prompts stay out of this step, to join a later one together.
@@ -185,12 +218,13 @@ class Scheduler:
         bm = self.block_manager
         running = SequenceStatus.RUNNING
         row = 0
+        extra = out.num_steps - 1  # a window's later steps compute the tokens its earlier ones sample
         for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
             if seq.status is running:
-                seq.num_computed_tokens += n
+                seq.num_computed_tokens += n + extra
                 bm.cache_full_blocks(seq)
                 if samples:
-                    seq.append_placeholder(row)
+                    seq.append_placeholder(row, out.num_steps)
             row += samples
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

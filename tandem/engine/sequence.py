@@ -89,6 +89,13 @@ class Sequence:
         self.max_num_tokens = min(limits, default=1 << 62)
         self.eos_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
         self.stop_ids = self.eos_ids | frozenset(sampling_params.stop_token_ids)  # tokens that end it
+        # Whether several decode steps may run before the host sees their tokens (a decode
+        # window, `Scheduler._decode_window`): only a stop token or max_tokens can end the sample,
+        # and its sampling needs nothing of the tokens the window draws (no penalties, grammar or
+        # top-k logprob lists). min_tokens is checked as the sample grows.
+        p = sampling_params
+        self.windowable = (not p.stop_strings and not p.has_penalties and p.structured_outputs is None
+                           and (p.logprobs is None or p.logprobs == 0))
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -126,9 +133,10 @@ class Sequence:
     def has_placeholder(self) -> bool:
         return self.num_placeholders > 0
 
-    def append_placeholder(self, row: int) -> None:
-        """Count a token the in-flight step is sampling (row `row` of its output) as generated."""
-        self.num_placeholders += 1
+    def append_placeholder(self, row: int, count: int = 1) -> None:
+        """Count the tokens the in-flight step is sampling (row `row` of its output; `count` of
+        them in a decode window) as generated."""
+        self.num_placeholders += count
         self.pending_row = row
 
     def drop_placeholder(self) -> None:
@@ -140,6 +148,18 @@ class Sequence:
         self.num_placeholders -= 1
         self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def fill_placeholders(self, token_ids: list[int], logprobs: list[float]) -> None:
+        """`fill_placeholder` for several tokens of a decode window at once, in order."""
+        self.token_ids += token_ids
+        self.num_placeholders -= len(token_ids)
+        self.output_logprobs += logprobs
+        total = self.cumulative_logprob
+        for lp in logprobs:  # in order, as token by token (sum() compensates: other bits)
+            total += lp
+        self.cumulative_logprob = total
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 

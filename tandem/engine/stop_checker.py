@@ -20,6 +20,17 @@ def check_stop(seq: Sequence) -> tuple[str, int | None] | None:
     return None
 
 
+def window_tokens_kept(seq: Sequence, token_ids: list[int]) -> int:
+    """How many of a decode window's tokens the sample keeps: through its first stop token, else
+    all. (A window runs only once min_tokens is met, so any stop token ends the sample.)"""
+    stop_ids = seq.stop_ids
+    if stop_ids:
+        for i, token in enumerate(token_ids):
+            if token in stop_ids:
+                return i + 1
+    return len(token_ids)
+
+
 def find_stop_string(text: str, new_chars: int, stop_strings: list[str]) -> tuple[str, int] | None:
     """The stop string that the last `new_chars` characters completed, and where it starts."""
     for stop in stop_strings:

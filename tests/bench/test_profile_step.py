@@ -51,7 +51,9 @@ def test_profile_decode_end_to_end(tmp_path, capsys):
     llm = LLM(model, block_size=4, max_num_seqs=8, gpu_memory_utilization=0.1)
     trace = tmp_path / "trace.json"
     r = profile_decode(llm, num_steps=3, trace_path=str(trace), prompt_len=10)
-    assert r["batch"] == 8 and r["num_steps"] == 3
+    # at least the steps asked for: a decode window (num_scheduler_steps) runs several a call
+    window = llm.llm_engine.config.num_scheduler_steps
+    assert r["batch"] == 8 and 3 <= r["num_steps"] < 3 + window
     assert r["wall_ms"] > 0 and r["step_ms"] > 0
     if on_gpu:
         assert r["gpu_busy_ms"] > 0 and r["top_kernels"]

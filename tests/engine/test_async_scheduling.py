@@ -78,7 +78,7 @@ def test_async_stop_strings_and_text(tiny_llama_dir):
 
 
 def test_the_next_step_launches_before_the_previous_tokens_are_read(monkeypatch):
-    llm = LLM(make_tiny_model("llama"), async_scheduling=True)
+    llm = LLM(make_tiny_model("llama"), async_scheduling=True, num_scheduler_steps=1)  # one token a launch
     engine = llm.llm_engine
     events = []
     run = engine.worker.model_runner.run

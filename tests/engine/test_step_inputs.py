@@ -13,7 +13,8 @@ def test_step_inputs_start_16_byte_aligned():
     eng.add_request(None, list(range(3, 10)), SamplingParams(max_tokens=2), "final_only")  # 7 tokens
     eng.add_request(None, list(range(3, 8)), SamplingParams(max_tokens=2), "final_only")  # 5 tokens
     sched = eng.scheduler.schedule()
-    ids, positions, meta, _ = eng.worker.model_runner.prepare_inputs(sched)
+    ids, positions, meta, _, window = eng.worker.model_runner.prepare_inputs(sched)
+    assert window is None
     assert ids.shape[0] == 12
     for t in (ids, positions, meta.slot_mapping):
         assert t.data_ptr() % 16 == 0

@@ -1,0 +1,218 @@
+"""Decode windows (`num_scheduler_steps`): several decode steps launched per scheduling round,
+each step's sampled tokens the next one's inputs on the device, read back and booked at once.
+
+A window changes when the host sees tokens, never which tokens come: every test runs the same work
+with num_scheduler_steps=1 and 4 and compares what a user sees. Seeded rows draw from (seed, token
+count) keys, so sampled runs compare exactly too. Windows must also have really run (a test that
+never opens one would pass trivially), and every KV block must come back.
+"""
+
+import pytest
+from model_fixtures import assert_no_leak, make_tiny_model
+
+from tandem import LLM, SamplingParams
+
+PROMPTS = [list(range(3, 3 + k)) for k in (5, 17, 9, 30, 2, 11)]
+
+
+def _summary(outputs):
+    return [[(c.token_ids, [next(iter(d.values())).logprob for d in c.logprobs or []], c.finish_reason,
+              c.stop_reason, c.cumulative_logprob) for c in o.outputs] for o in outputs]
+
+
+def _ends(summary):
+    """Each sample's tokens, finish reason and stop reason."""
+    return [[(c[0], c[2], c[3]) for c in o] for o in summary]
+
+
+def _run(model, prompts, params, steps, **kw):
+    """(what the user sees, the window sizes the scheduler chose) for one engine."""
+    llm = LLM(model, num_scheduler_steps=steps, block_size=4, **kw)
+    sched = llm.llm_engine.scheduler
+    schedule, windows = sched.schedule, []
+
+    def recording():
+        out = schedule()
+        windows.append(out.num_steps)
+        return out
+
+    sched.schedule = recording
+    outs = _summary(llm.generate(prompts, params, use_tqdm=False))
+    assert_no_leak(llm)
+    _run.preemptions = sched.num_preemptions
+    return outs, windows
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0, max_tokens=9 + 3 * i, ignore_eos=True) for i in range(6)],
+    [SamplingParams(temperature=0.9, top_k=50, seed=11 + i, n=2, max_tokens=14 + i, ignore_eos=True,
+                    logprobs=0) for i in range(6)],
+], ids=["greedy", "seeded-n2-logprobs"])
+def test_windows_sample_exactly_what_single_steps_do(params, async_scheduling):
+    single, ones = _run(make_tiny_model("qwen2"), PROMPTS, params, 1, async_scheduling=async_scheduling)
+    window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4, async_scheduling=async_scheduling)
+    assert set(ones) == {1} and max(sizes) == 4
+    # every row runs the same batches (a window never crosses a row's token limit): bit for bit
+    assert window == single
+    lengths = [len(c[0]) for o in window for c in o]
+    assert lengths == [p.max_tokens for p in params for _ in range(p.n)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_stop_token_inside_a_window_ends_the_sample_there(async_scheduling):
+    model = make_tiny_model("llama")
+    free = _run(model, PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), 1)[0]
+    # tokens each prompt produces at different depths, so samples stop mid-window, at different steps
+    stops = sorted({o[0][0][k] for o, k in zip(free, (2, 5, 7, 11, 3, 9))})
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=stops, logprobs=0)
+    single, _ = _run(model, PROMPTS, params, 1, async_scheduling=async_scheduling)
+    window, sizes = _run(model, PROMPTS, params, 4, async_scheduling=async_scheduling)
+    assert max(sizes) == 4
+    assert _ends(window) == _ends(single)
+    stopped = [c for o in window for c in o if c[2] == "stop"]
+    assert stopped and all(c[0][-1] in stops and c[3] == c[0][-1] for c in stopped)
+    # (a sample that stopped inside a window ran beside rows that single steps had dropped: its
+    # logprobs may differ in the last bits on a CPU, whose GEMMs depend on the batch size)
+    for w, s in zip(window, single):
+        for cw, cs in zip(w, s):
+            assert cw[1] == pytest.approx(cs[1], abs=1e-5)
+
+
+def test_min_tokens_are_met_before_a_window_opens():
+    model = make_tiny_model("llama")
+    free = _run(model, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 1)[0]
+    stops = sorted({o[0][0][1] for o in free})  # tokens the samples produce early
+    params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=stops, min_tokens=6)
+    single, _ = _run(model, PROMPTS[:3], params, 1)
+    window, sizes = _run(model, PROMPTS[:3], params, 4)
+    assert _ends(window) == _ends(single)
+    assert all(len(c[0]) >= 6 for o in window for c in o)
+    assert max(sizes) == 4
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, seed=1, max_tokens=12, repetition_penalty=1.3),
+    SamplingParams(temperature=0, max_tokens=12, stop=["zz"]),
+    SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+], ids=["penalties", "stop-strings", "top-logprobs"])
+def test_rows_whose_sampling_reads_each_token_never_run_in_a_window(params):
+    single, _ = _run(make_tiny_model("qwen2"), PROMPTS, params, 1)
+    window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4)
+    assert set(sizes) == {1}
+    assert window == single
+
+
+def test_a_waiting_request_joins_at_the_next_step_not_after_a_window():
+    llm = LLM(make_tiny_model("qwen2"), num_scheduler_steps=4, block_size=4)
+    eng = llm.llm_engine
+    sched = eng.scheduler
+    schedule, steps = sched.schedule, []
+    sched.schedule = lambda: steps.append(schedule()) or steps[-1]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    eng.add_request("a", PROMPTS[0], params)
+    for _ in range(3):
+        eng.step()
+    assert [s.num_steps for s in steps] == [1, 4, 4]  # the prefill, then windows
+    eng.add_request("b", PROMPTS[1], params)
+    eng.step()
+    assert steps[-1].num_steps == 1 and len(steps[-1].seqs) == 2  # b's prefill joins at once
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert steps[-3].num_steps == 4 or max(s.num_steps for s in steps[4:]) == 4  # windows again
+    assert_no_leak(llm)
+
+
+def test_windows_filled_blocks_register_only_their_known_tokens():
+    """A window books its tokens' KV before their ids are back; a block is registered in the
+    prefix cache once its ids are known, so a later prompt that extends the output hits blocks
+    holding exactly its tokens and continues as the first run did."""
+    model = make_tiny_model("qwen2")
+    llm = LLM(model, num_scheduler_steps=4, block_size=4, async_scheduling=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    bm = llm.llm_engine.block_manager
+    hits = bm.num_prefix_hits
+    extended = PROMPTS[1] + list(first[:15])  # 32 tokens: 8 full blocks, 3 of them generated
+    rest = llm.generate([extended], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    assert bm.num_prefix_hits - hits == 28  # 7 blocks (the last token is always computed)
+    assert list(rest) == list(first[15:24])
+    for block in bm.blocks:
+        if block.hash is not None:
+            assert len(block.token_ids) == 4
+    assert_no_leak(llm)
+
+
+def test_an_abort_inside_a_window_returns_every_block():
+    llm = LLM(make_tiny_model("qwen2"), num_scheduler_steps=8, block_size=4, async_scheduling=True)
+    eng = llm.llm_engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng._in_flight is not None and eng._in_flight[0].num_steps == 8
+    eng.abort_request([str(i) for i in range(len(PROMPTS))])
+    while eng.has_unfinished_requests() or eng._in_flight is not None:
+        eng.step()
+    assert_no_leak(llm)
+
+
+def test_streamed_deltas_of_windows_add_up_to_the_output():
+    llm = LLM(make_tiny_model("qwen2"), num_scheduler_steps=4, block_size=4)
+    eng = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=17, ignore_eos=True)
+    eng.add_request("r", PROMPTS[2], params, "delta")
+    got = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got += out.outputs[0].token_ids
+    ref = LLM(make_tiny_model("qwen2"), block_size=4).generate([PROMPTS[2]], params, use_tqdm=False)
+    assert got == list(ref[0].outputs[0].token_ids)
+
+
+def test_num_scheduler_steps_is_checked():
+    from tandem.config import EngineConfig
+
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        EngineConfig(num_scheduler_steps=0)
+
+
+def test_every_step_of_a_window_reads_16_byte_aligned_inputs():
+    """Triton specializes on pointer alignment: a window's step k must not start off 16 bytes
+    when the batch size is odd (an eager step would compile another kernel variant mid-run)."""
+    llm = LLM(make_tiny_model("qwen2"), num_scheduler_steps=4, block_size=4)
+    eng = llm.llm_engine
+    for i in range(3):
+        eng.add_request(str(i), PROMPTS[i], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    eng.step()  # the prefills
+    sched = eng.scheduler.schedule()
+    assert sched.num_steps == 4 and len(sched.seqs) == 3
+    ids, positions, meta, _, window = eng.worker.model_runner.prepare_inputs(sched)
+    starts = [s.num_computed_tokens for s in sched.seqs]
+    for k in range(4):
+        step = window.meta(meta, k)
+        for t in (window.positions[k], step.slot_mapping, step.seq_lens):
+            assert t.data_ptr() % 16 == 0 and t.shape == (3,)
+        assert window.positions[k].tolist() == [a + k for a in starts]
+        assert step.seq_lens.tolist() == step.seq_lens_cpu == [a + k + 1 for a in starts]
+        tables = meta.block_tables.tolist()
+        assert step.slot_mapping.tolist() == [tables[r][(a + k) // 4] * 4 + (a + k) % 4 for r, a in enumerate(starts)]
+    eng.scheduler.update_from_output(sched)
+    for seq in sched.seqs:
+        seq.drop_placeholder()
+    eng.abort_request(["0", "1", "2"])
+    assert_no_leak(llm)
+
+
+def test_a_window_takes_no_blocks_it_cannot_have_and_preemption_still_works():
+    """With too few KV blocks for everyone, single steps preempt; a window that would need more
+    blocks than are free is not opened (never worth a preemption). Greedy outputs stay the same."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(num_gpu_blocks_override=40, max_num_seqs=6, max_model_len=64)
+    single, _ = _run(make_tiny_model("qwen2"), PROMPTS, params, 1, **kw)
+    assert _run.preemptions > 0
+    window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4, **kw)
+    assert _run.preemptions > 0
+    assert _ends(window) == _ends(single)
+    assert max(sizes) == 4 and 1 in sizes[2:]
