@@ -340,18 +340,18 @@ class LLMEngine:
             self._postprocess_window(sched, token_ids, logprobs, ranks, touched)
             return
         outputs = self.output_processor
-        row = -1
-        for seq, smp in zip(sched.seqs, sched.sampling):
-            if not smp:
-                continue
-            row += 1
-            if not seq.has_placeholder:
+        requests = self.requests
+        # the rows sampled, in order (every sequence's in a decode step)
+        seqs = sched.seqs if all(sched.sampling) else [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
+        filled = 0
+        for row, seq in enumerate(seqs):
+            if not seq.num_placeholders:
                 continue  # finished or aborted meanwhile: this row was computed for nothing
             seq.fill_placeholder(token_ids[row], logprobs[row])
+            filled += 1
             if seq.sampling_params.logprobs is not None:
                 outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
-            state = self.requests[seq.request_id]
-            self.num_generated_tokens += 1
+            state = requests[seq.request_id]
             stop = outputs.check_stop(state, seq)
             if seq.matcher is not None and stop is None:
                 if sampled.grammar_verdicts_pending:  # its grammar is taking the token right now
@@ -364,6 +364,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
+        self.num_generated_tokens += filled
 
     def _postprocess_window(self, sched: SchedulerOutput, token_ids: list[list[int]], logprobs: list[list[float]],
                             ranks: list[list[int]] | None, touched: dict[str, RequestState]) -> None:
@@ -371,8 +372,8 @@ class LLMEngine:
         to its first stop token and then ends as it would have token by token (the window let
         nothing else end it: `Scheduler._decode_window`)."""
         outputs = self.output_processor
-        for seq, ids, lps, row in zip(sched.seqs, token_ids, logprobs, itertools.count()):
-            if not seq.has_placeholder:
+        for row, (seq, ids, lps) in enumerate(zip(sched.seqs, token_ids, logprobs)):
+            if not seq.num_placeholders:
                 continue  # finished or aborted meanwhile
             keep = window_tokens_kept(seq, ids)
             if keep < len(ids):
