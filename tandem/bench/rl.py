@@ -89,6 +89,8 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
             spans.append(trainer.last_phase_spans)
     out = _summary([s["wall"] for s in steps], statistics.mean(s["completions/num_tokens"] for s in steps))
     out["breakdown_s"] = {k: statistics.median(s[f"time/{k}"] for s in steps) for k in PHASES}
+    reward, train = spans[-1]["reward"], spans[-1]["train"]
+    out["reward_inside_train"] = train[0] <= reward[0] and reward[1] <= train[1]
     out["gpu"] = mon.summary()
     # which phase leaves the GPU idle (NVML utilization of the samples inside each phase)
     out["gpu_util_by_phase"] = {k: mon.util_during([sp[k] for sp in spans]) for k in PHASES}
@@ -250,7 +252,9 @@ def _print(results: dict, cfg: RLBenchConfig) -> None:
         print(f"tandem step is {results['speedup_vs_trl_fast']:.1f}x faster than TRL's fastest settings here "
               f"(no recompute, Liger {'on' if results['trl-fast']['liger'] else 'not installed'})")
     t = results["tandem"]
-    print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t["breakdown_s"].items()))
+    inside = {"reward": " (inside train: scored while the first forward pass runs)"} if t.get("reward_inside_train") else {}
+    print("tandem step breakdown (s): " + ", ".join(f"{k} {v:.2f}{inside.get(k, '')}"
+                                                      for k, v in t["breakdown_s"].items()))
     mem = t["train_memory"]
     plan = f", plan {mem['memory/plan_train_gib']:.1f}" if "memory/plan_train_gib" in mem else ""
     mfu = (f"MFU {100 * t['train_mfu']:.1f}% (6 x params x computed tokens / {t['peak_flops'] / 1e12:.0f} TFLOP/s)"

@@ -37,6 +37,10 @@ class MicroBatches:
     steps: list[list[slice]]
     tokens: list[int]  # real tokens of each micro-batch, in order
 
+    def reorder(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-row values [N] in the micro-batches' row order."""
+        return values if self.order is None else values[self.order]
+
     def describe(self, s: slice) -> str:
         """The original rows a micro-batch holds, for messages."""
         if self.order is None:

@@ -271,6 +271,13 @@ class RewardComputer:
         self.weights = torch.tensor([float(w) for w in reward_weights], dtype=torch.float32)
         self.on_error = on_error
 
+    @property
+    def runs_models(self) -> bool:
+        """Whether a reward function is a reward model (a forward pass on the device)."""
+        from tandem.rl.reward_models import RewardModel
+
+        return any(isinstance(f, RewardModel) for f in self.funcs)
+
     def __call__(
         self,
         prompts: Sequence[Any],

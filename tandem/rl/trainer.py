@@ -43,7 +43,9 @@ from tandem.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("weight_sync", "generate", "reward", "train")  # one step, in order
+# one step's phases, in order; the reward phase runs inside the train phase unless a reward model
+# scores (`GRPOTrainer._step`)
+PHASES = ("weight_sync", "generate", "reward", "train")
 
 
 class GRPOTrainer:
@@ -373,24 +375,40 @@ class GRPOTrainer:
         self.peak_memory.end()
         marks.append(time.perf_counter())
         prompts = batch.repeated_prompts(a.num_generations)
-        local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
-                             trainer_state=self.state, **batch.reward_columns(a.num_generations))
-        result = gather_rewards(self.dist, local)  # the global batch's ("batch" scaling needs all)
-        rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
-        advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
-        marks.append(time.perf_counter())
+        scored = {}
+
+        def score() -> torch.Tensor:
+            start = time.perf_counter()
+            local = self.rewards(prompts, wrap_completions(prompts, rollout.texts), rollout.completion_ids,
+                                 trainer_state=self.state, **batch.reward_columns(a.num_generations))
+            result = gather_rewards(self.dist, local)  # the global batch's ("batch" scaling needs all)
+            rows = slice(offset * a.num_generations, (offset + len(indices)) * a.num_generations)
+            advantages = group_advantages(result.rewards, a.num_generations, a.scale_rewards)[rows]
+            scored.update(local=local, result=result, advantages=advantages, span=(start, time.perf_counter()))
+            return advantages.to(self.device)
+
+        # Plain reward functions score on the host while the device runs the first forward pass
+        # (`PolicyUpdate.run`); a reward model's forward pass runs first, on its own, as its
+        # activations are not in the memory plan of the train phase.
+        overlap = not self.rewards.runs_models
+        advantages = score if overlap else score()
         data = pack(rollout, self.tokenizer.pad_token_id or 0, self.device, a.mask_truncated_completions)
-        train_metrics = self.update.run(data, advantages.to(self.device), self.state, self.generator.mark_stale,
+        train_metrics = self.update.run(data, advantages, self.state, self.generator.mark_stale,
                                         self.peak_memory, engine_outside_bytes(self.llm))
         marks.append(time.perf_counter())
-        # phase -> (perf_counter start, end), for GPU monitors; the logged times are their lengths
-        spans = self.last_phase_spans = dict(zip(PHASES, zip(marks, marks[1:])))
+        local, result, advantages = scored["local"], scored["result"], scored["advantages"]
+        # phase -> (perf_counter start, end), for GPU monitors; the logged times are their lengths.
+        # Overlapped, the reward span lies inside the train span; time/step is the step's wall time.
+        spans = dict(zip(PHASES[:2], zip(marks, marks[1:])))
+        spans["reward"] = scored["span"]
+        spans["train"] = (marks[2] if overlap else scored["span"][1], marks[3])
+        self.last_phase_spans = spans
         times = {f"time/{k}": end - start for k, (start, end) in spans.items()}
         metrics = {**reward_metrics(result.rewards, a.num_generations), **result.metrics(), **train_metrics,
                    **self.peak_memory.metrics(),
                    **self._rollout_metrics(rollout), **times, "learning_rate": self.scheduler.get_last_lr()[0],
                    "engine/weights_version": self.generator.weights_version}
-        metrics["time/step"] = sum(v for k, v in times.items())
+        metrics["time/step"] = marks[3] - marks[0]
         self._completions_to_log = None if not a.log_completions else (
             [self.tokenizer.decode(p) for p in rollout.prompt_ids], rollout.texts, local.rewards.tolist(),
             advantages.tolist(), a.num_completions_to_print, local.extra_columns)

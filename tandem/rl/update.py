@@ -48,19 +48,25 @@ class PolicyUpdate:
                     use_varlen_attention(m)
         self.recompute = self.memory_plan.recompute
 
-    def run(self, data: dict, advantages: torch.Tensor, state, on_weights_changed: Callable[[], None],
-            peaks: PeakMemory | None = None, outside: int = 0) -> dict:
+    def run(self, data: dict, advantages: torch.Tensor | Callable[[], torch.Tensor], state,
+            on_weights_changed: Callable[[], None], peaks: PeakMemory | None = None, outside: int = 0) -> dict:
         """Optimise on one packed rollout (`rollout.pack`): num_iterations passes of
         gradient-accumulated optimizer steps, counted in `state.global_step`; returns the means of
         the metrics over every rank's micro-batches (loss and grad_norm: over optimizer steps).
-        `peaks` records the train and optimizer-step phases (`outside`: the engine's bytes mapped
-        outside torch's allocator meanwhile)."""
+        `advantages` [N] may come as the function that computes them (the rollout's rewards): it is
+        called once the first forward pass is launched, so the device runs that pass while the host
+        scores (the first loss is the first thing that needs them). `peaks` records the train and
+        optimizer-step phases (`outside`: the engine's bytes mapped outside torch's allocator
+        meanwhile)."""
         a = self.args
         peaks = peaks or PeakMemory(self.device)
         cuda = self.device.type == "cuda"
         resident = torch.cuda.memory_allocated(self.device) if cuda else 0
         peaks.begin("train", outside)
-        data, advantages, scale, split = self._micro_batches(data, advantages)
+        data, scale, split = self._micro_batches(data)
+        pending = advantages if callable(advantages) else None
+        if pending is None:
+            advantages = split.reorder(advantages)
         micro = [s for step in split.steps for s in step]
         budget = a.max_tokens_per_micro_batch
         fill = {s.start: t / budget for s, t in zip(micro, split.tokens)} if budget else {}
@@ -79,6 +85,8 @@ class PolicyUpdate:
                 finite = []  # per micro-batch: (loss, logprobs) finite, on the device
                 for s in group:
                     logp = self.logps(self.model, data, rows=s)
+                    if pending is not None:
+                        advantages, pending = split.reorder(pending()), None
                     loss, m = grpo_loss(
                         logp, None if old_logp is None else old_logp[s], advantages[s],
                         data["completion_mask"][s], engine_logp=data["engine_logp"][s]
@@ -119,6 +127,8 @@ class PolicyUpdate:
                     if self.scorer is not None:
                         self.scorer.mark_stale()
                 self.optimizer.zero_grad(set_to_none=True)
+        if pending is not None:  # (no micro-batch ran: the rewards are still scored)
+            pending()
         host = _to_host({**sums, **{f"_n/{k}": v for k, v in counts.items()}})
         totals = self.dist.sum_dicts({**host, "_count": float(count), "_loss": float(step_losses),
                                       "_tokens": float(sum(split.tokens)),
@@ -146,10 +156,11 @@ class PolicyUpdate:
         self.guard.warn_if_dropped_wholesale(state.global_step, metrics, a.vllm_importance_sampling_mode)
         return metrics
 
-    def _micro_batches(self, data: dict, advantages: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, MicroBatches]:
+    def _micro_batches(self, data: dict) -> tuple[dict, torch.Tensor, MicroBatches]:
         """Each optimizer step's micro-batches (`micro_batches.py`), the rows reordered so each is a
-        contiguous slice, and each row's weight in its step's loss. The weights come from the fixed
-        micro-batches (TRL's), so a token-budget split changes no number."""
+        contiguous slice (`MicroBatches.reorder` does the same to per-row values), and each row's
+        weight in its step's loss. The weights come from the fixed micro-batches (TRL's), so a
+        token-budget split changes no number."""
         a = self.args
         mask = data["completion_mask"]
         fixed = fixed_steps(mask.shape[0], a.per_device_train_batch_size, a.gradient_accumulation_steps)
@@ -159,8 +170,7 @@ class PolicyUpdate:
         if split.order is not None:
             host = split.order.cpu()
             data = {k: v[host if v.device.type == "cpu" else split.order] for k, v in data.items()}
-            advantages, scale = advantages[split.order], scale[split.order]
-        return data, advantages, scale, split
+        return data, split.reorder(scale), split
 
     def _prompt_groups(self, data: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rows' (prompt lengths, prompt group ids) on the host when micro-batches pack each

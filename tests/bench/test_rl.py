@@ -85,6 +85,7 @@ def test_bench_rl_on_cpu_varied_lengths_token_budget_and_train_profile(tmp_path,
     assert "mean len" in out and "drawn per prompt, uniform 2-10" in out
     assert "tandem train phase" in out and "real tokens" in out and "padding-free on" in out
     assert "computed (each prompt once a micro-batch)" in out
+    assert t["reward_inside_train"] and "reward" in out and "(inside train" in out
     text = profile.read_text()
     assert text.startswith("# tandem bench rl --profile-train") and "sorted by self_cpu_time_total" in text
     assert "Self CPU" in text and "aten::" in text

@@ -191,3 +191,38 @@ def test_structured_outputs_regex_is_checked_before_anything_loads():
         GRPOConfig(output_dir="/tmp/x", vllm_structured_outputs_regex="yes", batch_invariant=True)
     with pytest.raises(ValueError, match="vllm_guided_decoding_regex.*vllm_structured_outputs_regex"):
         GRPOConfig(output_dir="/tmp/x", vllm_guided_decoding_regex="yes")
+
+
+def test_rewards_are_scored_while_the_first_forward_pass_runs(tmp_path, monkeypatch):
+    """Plain reward functions run once the train phase's first forward pass is launched (the
+    device computes it meanwhile); a reward model scores before the train phase, on its own. Both
+    orders train to the same weights and metrics."""
+    import torch
+
+    from tandem.rl.rewards import RewardComputer
+
+    runs = {}
+    for overlap in (True, False):
+        if not overlap:
+            monkeypatch.setattr(RewardComputer, "runs_models", property(lambda self: True))
+        trainer = make_trainer(tmp_path / str(overlap), max_steps=2)
+        events = []
+        logps = trainer.update.logps
+        monkeypatch.setattr(trainer.update, "logps", lambda *a, **k: events.append("forward") or logps(*a, **k))
+        funcs = trainer.rewards.funcs
+        monkeypatch.setattr(trainer.rewards, "funcs", [lambda **kw: events.append("reward") or funcs[0](**kw)])
+        metrics = [trainer.step() for _ in range(2)]
+        spans = trainer.last_phase_spans
+        runs[overlap] = metrics, [p.detach().clone() for p in trainer.model.parameters()], events, spans
+    (m_on, w_on, ev_on, sp_on), (m_off, w_off, ev_off, sp_off) = runs[True], runs[False]
+    assert ev_on[:2] == ["forward", "reward"] and ev_on.count("reward") == 2
+    assert ev_off[0] == "reward"
+    for a, b in zip(w_on, w_off):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
+        assert [m[key] for m in m_on] == [m[key] for m in m_off]
+    # overlapped, the reward span sits inside the train span; else just before it
+    assert sp_on["train"][0] <= sp_on["reward"][0] <= sp_on["reward"][1] <= sp_on["train"][1]
+    assert sp_off["reward"][1] <= sp_off["train"][0]
+    for m in m_on:
+        assert m["time/step"] == pytest.approx(m["time/weight_sync"] + m["time/generate"] + m["time/train"], abs=1e-3)
