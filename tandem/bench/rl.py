@@ -69,6 +69,8 @@ def run_tandem(cfg: RLBenchConfig) -> dict:
     model, tok, data = model_and_data(cfg)
     peft_config = peft_config_of(cfg)
     engine_kwargs = dict(ENGINE_KWARGS)
+    if cfg.num_scheduler_steps is not None:
+        engine_kwargs["num_scheduler_steps"] = cfg.num_scheduler_steps
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     else:
@@ -120,6 +122,7 @@ def _train_phase(trainer, steps: list[dict], train_s: float) -> dict:
         "padding_free": a.padding_free, "share_prompts": a.shares_prompts,
         "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
         "fused_kernels": trainer.fused_kernels,
+        "num_scheduler_steps": trainer.llm.llm_engine.config.num_scheduler_steps,
         "micro_batches_per_step": statistics.median(s["train/micro_batches"] for s in steps),
         "micro_batch_fill": statistics.median(fill) if fill else None,
         "train_memory": {k: statistics.median(s[k] for s in steps) for k in steps[0] if k.startswith("memory/")},
@@ -203,7 +206,7 @@ def run(cfg: RLBenchConfig) -> dict:
         from tandem.bench.rl_modes import run_modes
 
         tandem_only = {"completion_len_dist": None, "padding_free": False, "share_prompts": None,
-                       "max_tokens_per_micro_batch": None,
+                       "max_tokens_per_micro_batch": None, "num_scheduler_steps": None,
                        "profile_train": None}
         given = [k for k, v in tandem_only.items() if getattr(cfg, k) != v]
         if given:
@@ -369,6 +372,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--share-prompts", action=argparse.BooleanOptionalAction, default=d.share_prompts,
                    help="tandem: with --padding-free, each prompt packed once with its completions "
                    "(GRPOConfig.share_prompts; default: on with --padding-free)")
+    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps, metavar="N",
+                   help="tandem: decode steps its engine runs per scheduling round "
+                   "(EngineConfig.num_scheduler_steps; default: the engine's)")
     p.add_argument("--fused-kernels", action=argparse.BooleanOptionalAction, default=d.fused_kernels,
                    help="tandem: its fused Triton RMSNorm/SwiGLU/rotary training kernels "
                    "(GRPOConfig.fused_kernels; default: on with CUDA)")

@@ -39,6 +39,7 @@ class RLBenchConfig:
     fused_kernels: bool | None = None  # tandem's GRPOConfig.fused_kernels (None: on with CUDA)
     max_tokens_per_micro_batch: int | None = None  # tandem's GRPOConfig field (needs padding_free)
     profile_train: str | None = None  # write one step's train-phase profile table here (rl_profile.py)
+    num_scheduler_steps: int | None = None  # tandem's engine: EngineConfig.num_scheduler_steps (None: its default)
     seed: int = 0
     plan_only: bool = False  # print the trainer's memory plan for the workload; load and run nothing
     memory_budget_gib: float | None = None  # the device's capacity for the plan (TANDEM_MEMORY_BUDGET_GIB)

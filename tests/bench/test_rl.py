@@ -64,6 +64,7 @@ def test_bench_rl_on_cpu_varied_lengths_token_budget_and_train_profile(tmp_path,
     cfg = RLBenchConfig(model=str(model_dir), device="cpu", num_prompts=2, num_generations=2, prompt_len=6,
                         completion_len_dist="uniform:2-10", micro_batch=2, steps=1, cpu_kv_cache_space_gib=0.01,
                         padding_free=True, max_tokens_per_micro_batch=20, profile_train=str(profile),
+                        num_scheduler_steps=4,  # the rollouts in decode windows: each row its drawn length still
                         output=str(tmp_path / "report.json"))
     run(cfg)
     out = capsys.readouterr().out
@@ -79,7 +80,7 @@ def test_bench_rl_on_cpu_varied_lengths_token_budget_and_train_profile(tmp_path,
     assert t["train_tokens"] == 2 * sum(drawn) + 4 * 6  # real prompt + completion tokens, no padding
     # each prompt's 2 completions with the prompt once where they share a micro-batch
     assert t["share_prompts"] and 2 * sum(drawn) + 2 * 6 <= t["train_computed_tokens"] < t["train_tokens"]
-    assert t["padding_free"] and t["max_tokens_per_micro_batch"] == 20
+    assert t["padding_free"] and t["max_tokens_per_micro_batch"] == 20 and t["num_scheduler_steps"] == 4
     assert t["micro_batches_per_step"] >= 2 and 0 < t["micro_batch_fill"] <= 1
     assert t["train_mfu"] is None  # no known peak on a CPU
     assert "mean len" in out and "drawn per prompt, uniform 2-10" in out

@@ -226,3 +226,30 @@ def test_rewards_are_scored_while_the_first_forward_pass_runs(tmp_path, monkeypa
     assert sp_off["reward"][1] <= sp_off["train"][0]
     for m in m_on:
         assert m["time/step"] == pytest.approx(m["time/weight_sync"] + m["time/generate"] + m["time/train"], abs=1e-3)
+
+
+def test_rollouts_in_decode_windows_sample_what_single_steps_do(tmp_path):
+    """The colocated engine may run its decode steps in windows (num_scheduler_steps): the seeded
+    rollouts are the same tokens, and the step trains to the same loss (the engine logprobs of a
+    sample that stopped inside a window may differ in the last bits: the CPU's GEMMs depend on
+    the batch size)."""
+    import torch
+
+    runs = []
+    for steps in (1, 4):
+        trainer = make_trainer(tmp_path / str(steps), max_steps=1)
+        sched = trainer.llm.llm_engine.scheduler
+        sched.num_scheduler_steps = steps
+        schedule, windows = sched.schedule, []
+        sched.schedule = lambda: windows.append(schedule()) or windows[-1]
+        texts = []
+        rollout = trainer.generator.rollout
+        trainer.generator.rollout = lambda *a, **k: texts.append(r := rollout(*a, **k)) or r
+        m = trainer.step()
+        assert max(w.num_steps for w in windows) == steps
+        runs.append((texts[0].completion_ids, m, [p.detach().clone() for p in trainer.model.parameters()]))
+    (ids_1, m_1, w_1), (ids_4, m_4, w_4) = runs
+    assert ids_4 == ids_1 and any(len(c) < 8 for c in ids_1)  # some stopped early (EOS)
+    assert m_4["loss"] == pytest.approx(m_1["loss"], abs=1e-5)
+    for a, b in zip(w_4, w_1):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
