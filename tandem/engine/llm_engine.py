@@ -372,6 +372,7 @@ class LLMEngine:
         to its first stop token and then ends as it would have token by token (the window let
         nothing else end it: `Scheduler._decode_window`)."""
         outputs = self.output_processor
+        filled = 0
         for row, (seq, ids, lps) in enumerate(zip(sched.seqs, token_ids, logprobs)):
             if not seq.num_placeholders:
                 continue  # finished or aborted meanwhile
@@ -381,13 +382,14 @@ class LLMEngine:
             seq.fill_placeholders(ids, lps)
             if seq.sampling_params.logprobs is not None:
                 seq.output_ranks += ranks[row][:keep]
+            filled += keep
             state = self.requests[seq.request_id]
-            self.num_generated_tokens += keep
             stop = outputs.check_stop(state, seq)
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):
                 touched[seq.request_id] = state
+        self.num_generated_tokens += filled
 
     def _grammar_tokens(self, sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> list[tuple[object, int]]:
         """The in-flight step's constrained rows, as (matcher, sampled token) pairs for the model
