@@ -150,3 +150,29 @@ def test_spawned_workers_model_dir_text_sleep_wake(tiny_llama_dir):
         assert_no_leak(llm)
     finally:
         llm.tp_workers.shutdown()
+
+
+def test_spawned_workers_follow_decode_windows():
+    """Every rank schedules alike, so a decode window (num_scheduler_steps) runs on both ranks in
+    step; the tokens are tensor parallel's single steps' (and TP 1's)."""
+    model = make_tiny_model("qwen2", num_key_value_heads=4)
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=3, n=2, logprobs=0)
+    ref = LLM(model, tensor_parallel_size=1, **ENGINE)
+    want = [_tokens(ref.generate(PROMPTS, p, use_tqdm=False)) for p in (GREEDY, seeded)]
+    llm = LLM(model, tensor_parallel_size=2, num_scheduler_steps=4, **ENGINE)
+    try:
+        sched = llm.llm_engine.scheduler
+        schedule, windows = sched.schedule, []
+
+        def recording():
+            out = schedule()
+            windows.append(out.num_steps)
+            return out
+
+        sched.schedule = recording
+        got = [_tokens(llm.generate(PROMPTS, p, use_tqdm=False)) for p in (GREEDY, seeded)]
+        assert max(windows) == 4
+        assert got == want
+        assert_no_leak(llm)
+    finally:
+        llm.tp_workers.shutdown()
