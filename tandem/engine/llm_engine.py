@@ -369,22 +369,28 @@ class LLMEngine:
     def _postprocess_window(self, sched: SchedulerOutput, token_ids: list[list[int]], logprobs: list[list[float]],
                             ranks: list[list[int]] | None, touched: dict[str, RequestState]) -> None:
         """A decode window's K tokens a sequence (every row sampled): each sample keeps them up
-        to its first stop token and then ends as it would have token by token (the window let
-        nothing else end it: `Scheduler._decode_window`)."""
+        to the token that ends it and then ends as it would have token by token. A stop token is
+        found in the ids at once; stop strings are matched in the text as it grows, token by
+        token (the window let nothing else end a sample: `Scheduler._decode_window`)."""
         outputs = self.output_processor
         filled = 0
         for row, (seq, ids, lps) in enumerate(zip(sched.seqs, token_ids, logprobs)):
             if not seq.num_placeholders:
                 continue  # finished or aborted meanwhile
-            keep = window_tokens_kept(seq, ids)
-            if keep < len(ids):
-                ids, lps = ids[:keep], lps[:keep]
-            seq.fill_placeholders(ids, lps)
+            state = self.requests[seq.request_id]
+            if seq.sampling_params.stop_strings:
+                keep, stop = 0, None
+                while stop is None and keep < len(ids):
+                    seq.fill_placeholder(ids[keep], lps[keep])
+                    keep += 1
+                    stop = outputs.check_stop(state, seq)
+            else:
+                keep = window_tokens_kept(seq, ids)
+                seq.fill_placeholders(ids[:keep], lps[:keep])
+                stop = outputs.check_stop(state, seq)
             if seq.sampling_params.logprobs is not None:
                 seq.output_ranks += ranks[row][:keep]
             filled += keep
-            state = self.requests[seq.request_id]
-            stop = outputs.check_stop(state, seq)
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):

@@ -10,12 +10,14 @@ def check_stop(seq: Sequence) -> tuple[str, int | None] | None:
 
     Reads the limits the engine set on the sequence: `stop_ids` (stop tokens, plus EOS unless
     ignore_eos; EOS reports no stop_reason) and `max_num_tokens` (prompt + max_tokens, capped at
-    max_model_len).
+    max_model_len), judged on the tokens read back so far: where stop strings need a decode
+    window's tokens taken in one at a time, its later ones still count as placeholders.
     """
+    num_tokens = len(seq.token_ids)
     token = seq.token_ids[-1]
-    if token in seq.stop_ids and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+    if token in seq.stop_ids and num_tokens - seq.num_prompt_tokens >= seq.sampling_params.min_tokens:
         return "stop", (None if token in seq.eos_ids else token)
-    if seq.num_tokens >= seq.max_num_tokens:
+    if num_tokens >= seq.max_num_tokens:
         return "length", None
     return None
 

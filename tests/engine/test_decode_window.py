@@ -93,9 +93,8 @@ def test_min_tokens_are_met_before_a_window_opens():
 
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.7, seed=1, max_tokens=12, repetition_penalty=1.3),
-    SamplingParams(temperature=0, max_tokens=12, stop=["zz"]),
     SamplingParams(temperature=0, max_tokens=12, logprobs=2),
-], ids=["penalties", "stop-strings", "top-logprobs"])
+], ids=["penalties", "top-logprobs"])
 def test_rows_whose_sampling_reads_each_token_never_run_in_a_window(params):
     single, _ = _run(make_tiny_model("qwen2"), PROMPTS, params, 1)
     window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4)
@@ -216,3 +215,41 @@ def test_a_window_takes_no_blocks_it_cannot_have_and_preemption_still_works():
     assert _run.preemptions > 0
     assert _ends(window) == _ends(single)
     assert max(sizes) == 4 and 1 in sizes[2:]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("include", [False, True], ids=["stop-str-cut", "stop-str-kept"])
+def test_stop_strings_end_a_sample_inside_a_window_where_single_steps_do(async_scheduling, include):
+    """Stop strings are matched in the text token by token, so a window's later tokens are dropped
+    where single steps would not have sampled them, the text cut at the same place; a window that
+    reaches max_tokens exactly does not end its sample early (its later tokens are placeholders
+    while the earlier ones are checked)."""
+    from model_fixtures import make_tokenizer
+
+    model, tok = make_tiny_model("llama"), make_tokenizer()
+    free = LLM(model, tokenizer=tok, block_size=4).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    # a piece of text each sample writes at a different depth, and one no sample writes
+    stops = [o.outputs[0].text[k:k + 2] for o, k in zip(free, (3, 9, 14, 5, 20, 1)) if len(o.outputs[0].text) > k + 2]
+    cut = SamplingParams(temperature=0, max_tokens=16, stop=stops, ignore_eos=True,
+                         include_stop_str_in_output=include)
+    never = SamplingParams(temperature=0, max_tokens=16, stop=["\x00never"], ignore_eos=True)
+    outs = {}
+    for steps in (1, 4):
+        llm = LLM(model, tokenizer=tok, block_size=4, num_scheduler_steps=steps, async_scheduling=async_scheduling)
+        sched = llm.llm_engine.scheduler
+        schedule, windows = sched.schedule, []
+
+        def recording(schedule=schedule, windows=windows):
+            out = schedule()
+            windows.append(out.num_steps)
+            return out
+
+        sched.schedule = recording
+        outs[steps] = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason)
+                        for o in llm.generate(PROMPTS, p, use_tqdm=False) for c in o.outputs] for p in (cut, never)]
+        assert max(windows) == steps
+        assert_no_leak(llm)
+    assert outs[4] == outs[1]
+    assert {c[2] for c in outs[1][0]} == {"stop"} and {c[2] for c in outs[1][1]} == {"length"}
+    assert all(len(c[0]) == 16 for c in outs[4][1])
