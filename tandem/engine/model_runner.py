@@ -469,9 +469,10 @@ class ModelRunner:
         """A decode window: its steps launched back to back, each step's sampled tokens the next
         one's inputs on the device, with no read-back between them. Returns the tokens [B, K]
         (each sequence's K in order), their logprobs and ranks alike."""
-        m = self.prepare_sampling(sched.seqs)  # windowable rows: the same tensors every step
+        m = self.prepare_sampling(sched.seqs)  # windowable rows: the same tensors every step...
         graphs = self.graph_runner
         replay = graphs is not None and graphs.can_run(len(sched.seqs))
+        rows = torch.arange(len(sched.seqs), device=self.device) if m.output_counts is not None else None
         ids, steps = input_ids, []
         for k in range(window.num_steps):
             step_meta = meta if k == 0 else window.meta(meta, k)
@@ -485,6 +486,8 @@ class ModelRunner:
             step_m = m if k == 0 or m.seed_offsets is None else dataclasses.replace(m, seed_offsets=m.seed_offsets + k)
             steps.append(self.sampler(logits, step_m))
             ids = steps[-1].token_ids
+            if rows is not None and k + 1 < window.num_steps:  # ...but penalties' output counts
+                m.output_counts[rows, ids] += 1
         ranks = None if steps[0].ranks is None else torch.stack([o.ranks for o in steps], dim=1)
         return SamplerOutput(token_ids=torch.stack([o.token_ids for o in steps], dim=1),
                              logprobs=torch.stack([o.logprobs for o in steps], dim=1), ranks=ranks)

@@ -90,13 +90,12 @@ class Sequence:
         self.eos_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
         self.stop_ids = self.eos_ids | frozenset(sampling_params.stop_token_ids)  # tokens that end it
         # Whether several decode steps may run before the host sees their tokens (a decode
-        # window, `Scheduler._decode_window`): its sampling needs nothing of the tokens the window
-        # draws (no penalties, grammar or top-k logprob lists), so the host can judge afterwards
-        # where it ended (stop tokens, stop strings, max_tokens). min_tokens is checked as the
-        # sample grows.
+        # window, `Scheduler._decode_window`): its sampling needs nothing of the window's tokens on
+        # the host (no grammar, no top-k logprob lists; penalties count them on the device), and
+        # the host can judge afterwards where it ended (stop tokens, stop strings, max_tokens).
+        # min_tokens is checked as the sample grows.
         p = sampling_params
-        self.windowable = (not p.has_penalties and p.structured_outputs is None
-                           and (p.logprobs is None or p.logprobs == 0))
+        self.windowable = p.structured_outputs is None and (p.logprobs is None or p.logprobs == 0)
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -92,9 +92,8 @@ def test_min_tokens_are_met_before_a_window_opens():
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7, seed=1, max_tokens=12, repetition_penalty=1.3),
     SamplingParams(temperature=0, max_tokens=12, logprobs=2),
-], ids=["penalties", "top-logprobs"])
+], ids=["top-logprobs"])
 def test_rows_whose_sampling_reads_each_token_never_run_in_a_window(params):
     single, _ = _run(make_tiny_model("qwen2"), PROMPTS, params, 1)
     window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4)
@@ -253,3 +252,19 @@ def test_stop_strings_end_a_sample_inside_a_window_where_single_steps_do(async_s
     assert outs[4] == outs[1]
     assert {c[2] for c in outs[1][0]} == {"stop"} and {c[2] for c in outs[1][1]} == {"length"}
     assert all(len(c[0]) == 16 for c in outs[4][1])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_penalties_count_a_windows_tokens_on_the_device(async_scheduling):
+    """Repetition, presence and frequency penalties read the output's token counts: inside a
+    window they grow on the device step by step, so the samples are the single steps'."""
+    params = [SamplingParams(temperature=0.8, seed=5 + i, max_tokens=14, ignore_eos=True, repetition_penalty=1.5,
+                             presence_penalty=0.7, frequency_penalty=0.4, logprobs=0) for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=2.0)
+    for p in (params, greedy):
+        single, _ = _run(make_tiny_model("qwen2"), PROMPTS, p, 1, async_scheduling=async_scheduling)
+        window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, p, 4, async_scheduling=async_scheduling)
+        assert max(sizes) == 4
+        assert window == single
+    free, _ = _run(make_tiny_model("qwen2"), PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), 4)
+    assert _ends(free) != _ends(window)  # the penalty changed what was sampled
