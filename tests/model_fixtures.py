@@ -64,6 +64,20 @@ def make_tiny_model(arch: str = "llama", vocab_size: int = 320, seed: int = 0, *
     return model
 
 
+def record_schedules(llm) -> list:
+    """Every SchedulerOutput the engine's scheduler gives from now on, in order (the decode
+    windows it chose: `.num_steps`)."""
+    sched = getattr(llm, "llm_engine", llm).scheduler
+    schedule, outs = sched.schedule, []
+
+    def recording():
+        outs.append(schedule())
+        return outs[-1]
+
+    sched.schedule = recording
+    return outs
+
+
 def assert_no_leak(llm) -> None:
     engine = getattr(llm, "llm_engine", llm)
     bm = engine.block_manager

@@ -8,7 +8,7 @@ never opens one would pass trivially), and every KV block must come back.
 """
 
 import pytest
-from model_fixtures import assert_no_leak, make_tiny_model
+from model_fixtures import assert_no_leak, make_tiny_model, record_schedules
 
 from tandem import LLM, SamplingParams
 
@@ -28,19 +28,11 @@ def _ends(summary):
 def _run(model, prompts, params, steps, **kw):
     """(what the user sees, the window sizes the scheduler chose) for one engine."""
     llm = LLM(model, num_scheduler_steps=steps, block_size=4, **kw)
-    sched = llm.llm_engine.scheduler
-    schedule, windows = sched.schedule, []
-
-    def recording():
-        out = schedule()
-        windows.append(out.num_steps)
-        return out
-
-    sched.schedule = recording
+    scheduled = record_schedules(llm)
     outs = _summary(llm.generate(prompts, params, use_tqdm=False))
     assert_no_leak(llm)
-    _run.preemptions = sched.num_preemptions
-    return outs, windows
+    _run.preemptions = llm.llm_engine.scheduler.num_preemptions
+    return outs, [s.num_steps for s in scheduled]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -104,9 +96,7 @@ def test_rows_whose_sampling_reads_each_token_never_run_in_a_window(params):
 def test_a_waiting_request_joins_at_the_next_step_not_after_a_window():
     llm = LLM(make_tiny_model("qwen2"), num_scheduler_steps=4, block_size=4)
     eng = llm.llm_engine
-    sched = eng.scheduler
-    schedule, steps = sched.schedule, []
-    sched.schedule = lambda: steps.append(schedule()) or steps[-1]
+    steps = record_schedules(llm)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     eng.add_request("a", PROMPTS[0], params)
     for _ in range(3):
@@ -236,18 +226,10 @@ def test_stop_strings_end_a_sample_inside_a_window_where_single_steps_do(async_s
     outs = {}
     for steps in (1, 4):
         llm = LLM(model, tokenizer=tok, block_size=4, num_scheduler_steps=steps, async_scheduling=async_scheduling)
-        sched = llm.llm_engine.scheduler
-        schedule, windows = sched.schedule, []
-
-        def recording(schedule=schedule, windows=windows):
-            out = schedule()
-            windows.append(out.num_steps)
-            return out
-
-        sched.schedule = recording
+        scheduled = record_schedules(llm)
         outs[steps] = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason)
                         for o in llm.generate(PROMPTS, p, use_tqdm=False) for c in o.outputs] for p in (cut, never)]
-        assert max(windows) == steps
+        assert max(s.num_steps for s in scheduled) == steps
         assert_no_leak(llm)
     assert outs[4] == outs[1]
     assert {c[2] for c in outs[1][0]} == {"stop"} and {c[2] for c in outs[1][1]} == {"length"}

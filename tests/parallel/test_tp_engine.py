@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from model_fixtures import assert_no_leak, make_tiny_model
+from model_fixtures import assert_no_leak, make_tiny_model, record_schedules
 
 from tandem import LLM, SamplingParams
 from tandem.models.loader import iterate_checkpoint
@@ -161,17 +161,9 @@ def test_spawned_workers_follow_decode_windows():
     want = [_tokens(ref.generate(PROMPTS, p, use_tqdm=False)) for p in (GREEDY, seeded)]
     llm = LLM(model, tensor_parallel_size=2, num_scheduler_steps=4, **ENGINE)
     try:
-        sched = llm.llm_engine.scheduler
-        schedule, windows = sched.schedule, []
-
-        def recording():
-            out = schedule()
-            windows.append(out.num_steps)
-            return out
-
-        sched.schedule = recording
+        scheduled = record_schedules(llm)
         got = [_tokens(llm.generate(PROMPTS, p, use_tqdm=False)) for p in (GREEDY, seeded)]
-        assert max(windows) == 4
+        assert max(s.num_steps for s in scheduled) == 4
         assert got == want
         assert_no_leak(llm)
     finally:

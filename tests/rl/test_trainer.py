@@ -4,7 +4,7 @@ import json
 
 import pytest
 from datasets import Dataset
-from model_fixtures import make_tiny_model, make_tokenizer
+from model_fixtures import make_tiny_model, make_tokenizer, record_schedules
 
 from tandem.rl import GRPOConfig, GRPOTrainer
 
@@ -238,10 +238,8 @@ def test_rollouts_in_decode_windows_sample_what_single_steps_do(tmp_path):
     runs = []
     for steps in (1, 4):
         trainer = make_trainer(tmp_path / str(steps), max_steps=1)
-        sched = trainer.llm.llm_engine.scheduler
-        sched.num_scheduler_steps = steps
-        schedule, windows = sched.schedule, []
-        sched.schedule = lambda: windows.append(schedule()) or windows[-1]
+        trainer.llm.llm_engine.scheduler.num_scheduler_steps = steps
+        windows = record_schedules(trainer.llm)
         texts = []
         rollout = trainer.generator.rollout
         trainer.generator.rollout = lambda *a, **k: texts.append(r := rollout(*a, **k)) or r
