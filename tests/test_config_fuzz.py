@@ -79,7 +79,7 @@ ENGINE = {
     "async_scheduling": _bool(optional=True),
     "stream_interval": _int(1, _COUNT),
     "max_admission_delay_steps": _int(0, _COUNT),
-    "num_scheduler_steps": _int(1, 64),
+    "num_scheduler_steps": _int(1, 64, optional=True),
     # None, or a local directory or file (a drawn "/" or "." exists)
     "tokenizer": lambda v: v is None or (isinstance(v, str) and v != "" and os.path.exists(v)),
     "revision": lambda v: v is None or (isinstance(v, str) and v != ""),

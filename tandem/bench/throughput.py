@@ -214,6 +214,7 @@ def run_tandem(
     fig["host_waiting_on_device_s"] = eng.device_wait_s
     print("tandem steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f} ms"
                                        for k, v in fig["step_stats"].items())
+          + f" (decode windows of {eng.config.num_scheduler_steps})"
           + f"; the host waited on the device {1e3 * eng.device_wait_s / max(1, steps):.2f} ms/step"
           f" (near 0: the host is the bottleneck); prefix-cache hits {fig['prefix_cache_hit_tokens']} tokens")
     if cfg.profile:
@@ -227,6 +228,7 @@ def run_tandem(
         cudagraph_capture_s=eng.worker.cudagraph_capture_s,
         kernel_warmup_s=eng.worker.kernel_warmup_s,
         attention_backend=eng.worker.attention_backend,
+        num_scheduler_steps=eng.config.num_scheduler_steps,
     )
     return fig, llm
 

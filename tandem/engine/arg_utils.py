@@ -47,7 +47,7 @@ _HELP = {
     "max_admission_delay_steps": "new prompts wait up to this many CUDA-graph decode steps to join "
     "the running batch together (0: at once)",
     "num_scheduler_steps": "decode steps run back to back per scheduling round (the host books "
-    "and reads back once per window; 1: every step)",
+    "and reads back once per window; 1: every step; None: 4 offline on CUDA, else 1)",
     "decode_gemm": "cublas | triton (the Triton GEMM where this GPU's table says it wins) | a table "
     "(.json) from `python -m tandem.bench.gemm --table-out`",
     "batch_invariant": "batch-invariant kernels: a token's logits never depend on the rest of the "

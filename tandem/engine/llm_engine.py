@@ -43,6 +43,8 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(source)
         self.worker = Worker(config, source, self.max_model_len)
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        if config.num_scheduler_steps is None:  # decode windows where the host runs ahead of the device
+            config.num_scheduler_steps = 4 if self.device.type == "cuda" else 1
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.enable_chunked_prefill,

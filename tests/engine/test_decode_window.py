@@ -250,3 +250,44 @@ def test_penalties_count_a_windows_tokens_on_the_device(async_scheduling):
         assert window == single
     free, _ = _run(make_tiny_model("qwen2"), PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), 4)
     assert _ends(free) != _ends(window)  # the penalty changed what was sampled
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0, max_tokens=40 + 3 * i, ignore_eos=True) for i in range(6)],
+    [SamplingParams(temperature=1.0, top_p=0.9, seed=5 + i, n=3, max_tokens=33 + i, ignore_eos=True,
+                    logprobs=0) for i in range(6)],
+], ids=["greedy", "seeded-n3-top-p-logprobs"])
+def test_gpu_windows_with_cuda_graphs_sample_what_single_steps_do(params):
+    """On the GPU, windows replay the decode graphs back to back: the tokens and their logprobs are
+    the single steps' (the same batch shapes, so the same kernels: bit for bit)."""
+    import torch
+
+    model = make_tiny_model("qwen2", max_position_embeddings=1024).to("cuda", torch.bfloat16)
+    kw = dict(gpu_memory_utilization=0.2)
+    single, ones = _run(model, PROMPTS, params, 1, **kw)
+    window, sizes = _run(model, PROMPTS, params, 8, **kw)
+    assert set(ones) == {1} and max(sizes) == 8
+    assert window == single
+
+
+def test_windows_are_on_by_default_only_offline_on_cuda():
+    """None: windows of 4 where the host runs ahead of the device (an offline engine on CUDA),
+    single steps on a CPU and behind the server (a prompt arriving mid-window would wait)."""
+    import torch
+
+    from tandem.config import EngineConfig
+    from tandem.engine.async_llm import AsyncLLM
+
+    cuda = torch.cuda.is_available()
+    llm = LLM(make_tiny_model("llama"), **({"gpu_memory_utilization": 0.2} if cuda else {}))
+    assert llm.llm_engine.config.num_scheduler_steps == (4 if cuda else 1)
+    assert LLM(make_tiny_model("llama"), num_scheduler_steps=2).llm_engine.config.num_scheduler_steps == 2
+    # the server's engine: a config of its own (the caller's is left as given)
+    served = EngineConfig(model=None, max_num_seqs=8, **({"gpu_memory_utilization": 0.2} if cuda else {}))
+    online = AsyncLLM(served, engine_mode="thread")
+    try:
+        assert online.engine_core.engine.config.num_scheduler_steps == 1
+        assert served.num_scheduler_steps is None
+    finally:
+        online.shutdown()
