@@ -271,7 +271,7 @@ def test_gpu_windows_with_cuda_graphs_sample_what_single_steps_do(params):
     assert window == single
 
 
-def test_windows_are_on_by_default_only_offline_on_cuda():
+def test_windows_are_on_by_default_only_offline_on_cuda(tiny_llama_dir):
     """None: windows of 4 where the host runs ahead of the device (an offline engine on CUDA),
     single steps on a CPU and behind the server (a prompt arriving mid-window would wait)."""
     import torch
@@ -280,11 +280,13 @@ def test_windows_are_on_by_default_only_offline_on_cuda():
     from tandem.engine.async_llm import AsyncLLM
 
     cuda = torch.cuda.is_available()
-    llm = LLM(make_tiny_model("llama"), **({"gpu_memory_utilization": 0.2} if cuda else {}))
+    model = make_tiny_model("llama").to("cuda" if cuda else "cpu")
+    llm = LLM(model, **({"gpu_memory_utilization": 0.2} if cuda else {}))
     assert llm.llm_engine.config.num_scheduler_steps == (4 if cuda else 1)
-    assert LLM(make_tiny_model("llama"), num_scheduler_steps=2).llm_engine.config.num_scheduler_steps == 2
+    assert LLM(model, num_scheduler_steps=2, **({"gpu_memory_utilization": 0.2} if cuda else {})
+               ).llm_engine.config.num_scheduler_steps == 2
     # the server's engine: a config of its own (the caller's is left as given)
-    served = EngineConfig(model=None, max_num_seqs=8, **({"gpu_memory_utilization": 0.2} if cuda else {}))
+    served = EngineConfig(model=tiny_llama_dir, max_num_seqs=8, **({"gpu_memory_utilization": 0.2} if cuda else {}))
     online = AsyncLLM(served, engine_mode="thread")
     try:
         assert online.engine_core.engine.config.num_scheduler_steps == 1
