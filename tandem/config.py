@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from tandem.checks import check_bool, check_choice, check_float, check_int, check_str
 
@@ -74,7 +74,7 @@ class EngineConfig:
     # 1: every step is scheduled. None: 4 where the device runs asynchronously to the host (CUDA;
     # on an H200 gen-1.5b's 256-row decode went from host-bound 3.17 ms a step to device-bound
     # 2.92 ms), 1 elsewhere; `tandem serve` takes 1 for None (a prompt arriving mid-window would
-    # wait for the window's end).
+    # wait for the window's end: `for_serving`).
     num_scheduler_steps: int | None = None
     # Every op with a fixed per-row arithmetic (tandem.batch_invariant): a token's logits depend on
     # its sequence alone, so a trainer scoring the rollout with the same kernels gets the engine's
@@ -84,6 +84,13 @@ class EngineConfig:
     # table says it wins: "triton" (the table for this GPU in tandem/kernels/configs) or the path
     # of a table `python -m tandem.bench.gemm --table-out` wrote. Other shapes and M stay cuBLAS.
     decode_gemm: str = "cublas"
+
+    def for_serving(self) -> EngineConfig:
+        """This config for an online engine: num_scheduler_steps None means 1 there (a prompt
+        arriving mid-window would wait for the window's end); the caller's config is left as is."""
+        if self.num_scheduler_steps is not None:
+            return self
+        return replace(self, num_scheduler_steps=1)
 
     def __post_init__(self) -> None:
         """Every field's type and range, before anything is built (invariant 4)."""

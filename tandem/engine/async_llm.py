@@ -10,7 +10,6 @@ one message, whose outputs are dropped into the requests' streams with one
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
 import threading
@@ -81,9 +80,7 @@ class AsyncLLM:
             self.engine_core = MPClient(*attach_to, self._on_outputs, self._on_exit)
         else:
             self.engine_mode = engine_mode
-            if config is not None and config.num_scheduler_steps is None:
-                # online: a prompt arriving mid-window would wait for its end (TTFT), so no windows
-                config = dataclasses.replace(config, num_scheduler_steps=1)
+            config = config.for_serving() if config is not None else None
             self.engine_core = make_client(engine_mode, config, self._on_outputs, self._on_exit)
         info = self.engine_core.info
         self.tokenizer = info.tokenizer

@@ -59,7 +59,7 @@ def run_api_servers(
 ) -> int:
     """Serve on `sock` with `count` API servers over one engine core until SIGTERM/SIGINT (0) or
     until one of the processes dies (1)."""
-    core = EngineCoreProc(config, num_api_servers=count)  # raises the engine's start-up error
+    core = EngineCoreProc(config.for_serving(), num_api_servers=count)  # raises the engine's start-up error
     metrics_dir = tempfile.mkdtemp(prefix="tandem-metrics-")
     args = dataclasses.replace(args, metrics_dir=metrics_dir, parent_pid=os.getpid())
     ctx = mp.get_context("spawn")

@@ -285,7 +285,8 @@ def test_windows_are_on_by_default_only_offline_on_cuda(tiny_llama_dir):
     assert llm.llm_engine.config.num_scheduler_steps == (4 if cuda else 1)
     assert LLM(model, num_scheduler_steps=2, **({"gpu_memory_utilization": 0.2} if cuda else {})
                ).llm_engine.config.num_scheduler_steps == 2
-    # the server's engine: a config of its own (the caller's is left as given)
+    # the server's engines (tandem serve's, one API server or several): a config of their own
+    assert EngineConfig(num_scheduler_steps=3).for_serving().num_scheduler_steps == 3
     served = EngineConfig(model=tiny_llama_dir, max_num_seqs=8, **({"gpu_memory_utilization": 0.2} if cuda else {}))
     online = AsyncLLM(served, engine_mode="thread")
     try:
