@@ -84,6 +84,12 @@ class EngineConfig:
     # table says it wins: "triton" (the table for this GPU in tandem/kernels/configs) or the path
     # of a table `python -m tandem.bench.gemm --table-out` wrote. Other shapes and M stay cuBLAS.
     decode_gemm: str = "cublas"
+    # How structured outputs are enforced (vLLM's structured_outputs_config.backend): "auto" runs a
+    # regex or choice as a token automaton stepping on the device (its rows decode in windows at
+    # the cost of a free row) where it compiles to a small enough table, and everything else
+    # (JSON schemas, Lark grammars, larger patterns) through llguidance, whose masks the host
+    # computes each step; "guidance" always llguidance; "fsm" only token automata (others refused).
+    structured_outputs_backend: str = "auto"
 
     def for_serving(self) -> EngineConfig:
         """This config for an online engine: num_scheduler_steps None means 1 there (a prompt
@@ -106,6 +112,8 @@ class EngineConfig:
         check_choice("logprobs_mode", self.logprobs_mode, _LOGPROBS_MODES)
         check_choice("attention_backend", self.attention_backend, ("auto", "torch", "triton"))
         check_choice("sleep_mode_backend", self.sleep_mode_backend, ("auto", "cumem", "recapture"))
+        check_choice("structured_outputs_backend", self.structured_outputs_backend,
+                     ("auto", "guidance", "fsm"))
         if not (isinstance(self.decode_gemm, str) and (self.decode_gemm in ("cublas", "triton") or (
                 self.decode_gemm.endswith(".json") and os.path.isfile(self.decode_gemm)))):
             raise ValueError(

@@ -209,15 +209,16 @@ class LLMEngine:
             request_id = str(next(self._request_counter))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        matchers = [None] * params.n
+        grammars = [None] * params.n
         if params.structured_outputs is not None:
             so = params.structured_outputs
-            matchers = [self.structured_outputs.matcher(so) for _ in range(params.n)]
+            grammars = [self.structured_outputs.sample_grammar(so) for _ in range(params.n)]
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
         for i in range(params.n):
             seq = Sequence(ids, params, request_id, i, leader, self.max_model_len, self.eos_token_ids)
-            seq.matcher = matchers[i]
+            if grammars[i] is not None:
+                seq.set_grammar(grammars[i])
             leader = leader or seq
             state.seqs.append(seq)
         self.output_processor.add_request(state)
@@ -229,7 +230,8 @@ class LLMEngine:
     def structured_outputs(self) -> StructuredOutputManager:
         if self._structured is None:
             self._structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
-                                                       self.eos_token_ids)
+                                                       self.eos_token_ids,
+                                                       self.config.structured_outputs_backend)
         return self._structured
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -355,6 +357,8 @@ class LLMEngine:
                 outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
             state = requests[seq.request_id]
             stop = outputs.check_stop(state, seq)
+            if seq.fsm is not None and stop is None and seq.fsm.advance(token_ids[row]):
+                stop = ("stop", None)  # its grammar is complete
             if seq.matcher is not None and stop is None:
                 if sampled.grammar_verdicts_pending:  # its grammar is taking the token right now
                     self._grammar_held.append((seq, state))
@@ -386,10 +390,17 @@ class LLMEngine:
                     seq.fill_placeholder(ids[keep], lps[keep])
                     keep += 1
                     stop = outputs.check_stop(state, seq)
+                    if seq.fsm is not None and stop is None and seq.fsm.advance(ids[keep - 1]):
+                        stop = ("stop", None)
             else:
                 keep = window_tokens_kept(seq, ids)
+                complete = False
+                if seq.fsm is not None:  # (the tokens past a stop token are never kept)
+                    keep, complete = seq.fsm.tokens_kept(ids[:keep])
                 seq.fill_placeholders(ids[:keep], lps[:keep])
                 stop = outputs.check_stop(state, seq)
+                if stop is None and complete:
+                    stop = ("stop", None)  # its grammar is complete
             if seq.sampling_params.logprobs is not None:
                 seq.output_ranks += ranks[row][:keep]
             filled += keep

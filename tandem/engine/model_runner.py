@@ -14,9 +14,11 @@ from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
 from tandem.engine.structured_output import BitmaskFiller
+from tandem.engine.token_fsm import FSMCursor, FSMStates
 from tandem.forward_context import AttentionMetadata, set_attention_metadata
 from tandem.layers.attention import Attention
 from tandem.layers.sampler import (
+    GrammarFSM,
     PromptLogprobs,
     Sampler,
     SamplerOutput,
@@ -67,6 +69,8 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.fill_bitmask = BitmaskFiller(self.vocab_size, self.pin)
+        self.fsm_states = FSMStates(device)  # token automata's per-sample states
+        self._fsm_tables: tuple[list, torch.Tensor, torch.Tensor, dict[int, int]] | None = None
         # whether the last step's sampling read the sequences' output tokens (penalties) or
         # their grammars
         self.sampling_reads_history = False
@@ -302,6 +306,9 @@ class ModelRunner:
         if structured:
             m.structured_rows = self._to_device(structured, torch.int64)
             m.structured_rows_cpu = structured
+        fsm_rows = [row for row, seq in enumerate(seqs) if seq.fsm is not None]
+        if fsm_rows:
+            m.fsm = self._grammar_fsm(fsm_rows, [seqs[r].fsm for r in fsm_rows])
         if any(p.logit_bias for p in params):
             biased = [(row, t, b) for row, p in enumerate(params)
                       for t, b in (p.logit_bias or {}).items()]
@@ -322,6 +329,25 @@ class ModelRunner:
             m.presence_penalty = self._to_device([p.presence_penalty for p in params], torch.float32)
             m.frequency_penalty = self._to_device([p.frequency_penalty for p in params], torch.float32)
         return m
+
+    def _grammar_fsm(self, rows: list[int], cursors: list[FSMCursor]) -> GrammarFSM:
+        """The device side of the batch's token automata: slots for samples new to the device,
+        and the tables of the batch's grammars concatenated (kept while the set is the same)."""
+        self.fsm_states.bind(cursors)
+        fsms = list({id(c.fsm): c.fsm for c in cursors}.values())
+        cached = self._fsm_tables
+        if cached is None or len(cached[0]) != len(fsms) or any(a is not b for a, b in zip(cached[0], fsms)):
+            tables = [f.device_tables(self.device) for f in fsms]
+            starts = np.cumsum([0] + [f.num_states for f in fsms]).tolist()
+            allowed = torch.cat([t[0] for t in tables]) if len(tables) > 1 else tables[0][0]
+            nxt = torch.cat([t[1] for t in tables]) if len(tables) > 1 else tables[0][1]  # (local states)
+            self._fsm_tables = (fsms, allowed, nxt, {id(f): s for f, s in zip(fsms, starts)})
+        _, allowed, nxt, starts = self._fsm_tables
+        return GrammarFSM(
+            rows=self._to_device(rows, torch.int64),
+            slots=self._to_device([c.slot for c in cursors], torch.int64),
+            offsets=self._to_device([starts[id(c.fsm)] for c in cursors], torch.int32),
+            allowed=allowed, next_state=nxt, states=self.fsm_states)
 
     def release_cudagraphs(self) -> None:
         """Drop the captured graphs (they hold NCCL communicators alive under tensor parallel)."""

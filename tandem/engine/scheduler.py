@@ -228,7 +228,8 @@ class Scheduler:
             row += samples
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        """Mark a sequence done (stopped, length, aborted) and free its blocks."""
+        """Mark a sequence done (stopped, length, aborted) and free its blocks (and its grammar's
+        device slot)."""
         if seq.is_finished:
             return
         seq.finish_reason = reason
@@ -239,4 +240,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.deallocate(seq)
+        if seq.fsm is not None:
+            seq.fsm.release()  # its grammar's device slot
         seq.status = SequenceStatus.FINISHED

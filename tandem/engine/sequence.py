@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+from tandem.engine.token_fsm import FSMCursor
 from tandem.sampling_params import SamplingParams
 
 
@@ -78,7 +79,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.output_text = ""
         self.generator = None  # torch.Generator for a seeded request, made on first sample
-        self.matcher = None  # llguidance LLMatcher with sampling_params.structured_outputs
+        self.matcher = None  # llguidance LLMatcher with sampling_params.structured_outputs, or...
+        self.fsm = None  # ...its token automaton's cursor (tandem.engine.token_fsm.FSMCursor)
         self.grammar_stop: tuple[str, None] | None = None  # set once the grammar is complete
         self.num_placeholders = 0  # tokens sampled by the in-flight step, not read back yet
         self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
@@ -91,11 +93,21 @@ class Sequence:
         self.stop_ids = self.eos_ids | frozenset(sampling_params.stop_token_ids)  # tokens that end it
         # Whether several decode steps may run before the host sees their tokens (a decode
         # window, `Scheduler._decode_window`): its sampling needs nothing of the window's tokens on
-        # the host (no grammar, no top-k logprob lists; penalties count them on the device), and
-        # the host can judge afterwards where it ended (stop tokens, stop strings, max_tokens).
-        # min_tokens is checked as the sample grows.
+        # the host (no llguidance grammar, no top-k logprob lists; penalties count them and token
+        # automata step on the device), and the host can judge afterwards where it ended (stop
+        # tokens, stop strings, max_tokens, a grammar complete). min_tokens is checked as it grows.
         p = sampling_params
         self.windowable = p.structured_outputs is None and (p.logprobs is None or p.logprobs == 0)
+
+    def set_grammar(self, grammar) -> None:
+        """Constrain the sample: an llguidance matcher, or a token automaton's cursor (which
+        steps on the device, so the sample may still decode in windows)."""
+        if isinstance(grammar, FSMCursor):
+            self.fsm = grammar
+            p = self.sampling_params
+            self.windowable = p.logprobs is None or p.logprobs == 0
+        else:
+            self.matcher = grammar
 
     def __len__(self) -> int:
         return self.num_tokens

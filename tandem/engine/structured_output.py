@@ -66,10 +66,25 @@ def _grammar_error(source: str) -> str:
     return LLMatcher.validate_grammar(source)
 
 
-class StructuredOutputManager:
-    """Compiles constraints into matchers, cached per grammar."""
+BACKENDS = ("auto", "guidance", "fsm")
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+
+def fsm_pattern(so: StructuredOutputsParams) -> str | None:
+    """The regex a token automaton would compile for `so`: regexes and choices are regular;
+    JSON schemas and Lark grammars go to llguidance."""
+    if so.regex is not None:
+        return so.regex
+    if so.choice is not None:
+        return "|".join(re.escape(c) for c in so.choice)
+    return None
+
+
+class StructuredOutputManager:
+    """Compiles constraints, cached per grammar: into token automata that step on the device
+    (`tandem.engine.token_fsm`) where the backend allows and the pattern compiles, else into
+    llguidance matchers."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], backend: str = "auto"):
         try:
             import llguidance.hf
         except ImportError:
@@ -84,6 +99,45 @@ class StructuredOutputManager:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                           eos_token=eos[0] if eos else None)
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._vocabulary = None  # token bytes and which may appear in text, for token automata
+        self._fsms: OrderedDict[str, object] = OrderedDict()  # pattern -> TokenFSM, or the reason it has none
+
+    def sample_grammar(self, so: StructuredOutputsParams):
+        """One sample's constraint: a token automaton's cursor, or an llguidance matcher.
+        ValueError naming the problem if the grammar is invalid (or, with backend "fsm", cannot
+        be a token automaton)."""
+        from tandem.engine.token_fsm import FSMCursor
+
+        pattern = fsm_pattern(so) if self.backend != "guidance" else None
+        fsm = self._token_fsm(pattern) if pattern is not None else None
+        if isinstance(fsm, str) or (fsm is None and self.backend == "fsm"):
+            if self.backend == "fsm":
+                raise ValueError(f"structured_outputs: structured_outputs_backend='fsm' takes regex "
+                                 f"and choice constraints that compile to a token automaton; "
+                                 f"{fsm or 'this one is not a regex or choice'}")
+            fsm = None
+        return FSMCursor(fsm) if fsm is not None else self.matcher(so)
+
+    def _token_fsm(self, pattern: str):
+        """The pattern's TokenFSM, or a string saying why it has none (cached either way)."""
+        from tandem.engine.token_fsm import compile_token_fsm, vocabulary
+
+        hit = self._fsms.get(pattern)
+        if hit is None:
+            if self._vocabulary is None:
+                self._vocabulary = vocabulary(self.tokenizer, self.vocab_size)
+            try:
+                hit = compile_token_fsm(pattern, *self._vocabulary, self.eos_token_ids)
+            except (ValueError, re.error) as e:  # (UnsupportedRegex is a ValueError)
+                hit = f"{type(e).__name__}: {e}"
+            self._fsms[pattern] = hit
+            if len(self._fsms) > _CACHE_SIZE:
+                self._fsms.popitem(last=False)
+        self._fsms.move_to_end(pattern)
+        return hit
 
     def matcher(self, so: StructuredOutputsParams):
         """A fresh matcher for `so`; ValueError naming the problem if the grammar is invalid."""

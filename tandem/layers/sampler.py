@@ -37,6 +37,8 @@ class SamplingMetadata:
     structured_rows: torch.Tensor | None = None  # [R] int64
     structured_rows_cpu: list[int] | None = None
     grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32, a bit per token
+    # ...and the rows whose grammar is a token automaton stepping on the device
+    fsm: GrammarFSM | None = None
     # penalties (None when no row has any)
     prompt_mask: torch.Tensor | None = None  # [S, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [S, V] counts in the output so far
@@ -48,6 +50,32 @@ class SamplingMetadata:
     seeded_rows_cpu: list[int] | None = None
     row_seeds: torch.Tensor | None = None  # [R] int64
     seed_offsets: torch.Tensor | None = None  # [R] int64, set every step
+
+
+@dataclass
+class GrammarFSM:
+    """Constrained rows whose grammar is a token automaton (`tandem.engine.token_fsm`): each
+    row's state lives on the device in `states.tensor[slot]`, local to its grammar, whose tables
+    start at row `offset` of the batch's concatenated tables. A step masks the rows' logits with
+    their states' allowed tokens, and once sampled moves each state by its token: device work
+    only, so the rows decode in windows like free ones."""
+
+    rows: torch.Tensor  # [R] int64, rows of the batch
+    slots: torch.Tensor  # [R] int64
+    offsets: torch.Tensor  # [R] int32
+    allowed: torch.Tensor  # [G, ceil(V / 32)] int32, a bitmask row per state
+    next_state: torch.Tensor  # [G, V] int16, each grammar's own state numbers
+    states: object  # holds `.tensor`, [slots] int32 (read at each step: it may have grown)
+
+    def _global_states(self) -> torch.Tensor:
+        return (self.states.tensor[self.slots] + self.offsets).long()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        apply_grammar_bitmask(logits, self.rows, self.allowed[self._global_states()])
+
+    def advance(self, token_ids: torch.Tensor) -> None:
+        nxt = self.next_state[self._global_states(), token_ids[self.rows]]
+        self.states.tensor[self.slots] = nxt.to(torch.int32)
 
 
 @dataclass
@@ -108,6 +136,8 @@ def apply_logit_bias(logits: torch.Tensor, m: SamplingMetadata) -> None:
             logits.index_put_((rows, cols), bias.to(logits.dtype), accumulate=True)
     if m.grammar_bitmask is not None:
         apply_grammar_bitmask(logits, m.structured_rows, m.grammar_bitmask)
+    if m.fsm is not None:
+        m.fsm.apply(logits)
     if m.min_tokens_mask is not None:
         logits[m.min_tokens_mask] = float("-inf")
 
@@ -175,10 +205,14 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         if batch_invariant.is_enabled():
-            return self._batch_invariant(logits, m)
-        if logits.is_cuda and self.fused_supports(m):
-            return self._fused(logits, m)
-        return self._torch(logits, m)
+            out = self._batch_invariant(logits, m)
+        elif logits.is_cuda and self.fused_supports(m):
+            out = self._fused(logits, m)
+        else:
+            out = self._torch(logits, m)
+        if m.fsm is not None:  # the rows' grammars take the tokens, on the device
+            m.fsm.advance(out.token_ids)
+        return out
 
     def _batch_invariant(self, logits: torch.Tensor, m: SamplingMetadata) -> SamplerOutput:
         """Sampled as usual; the sampled token's logprob from the row-wise kernel that a trainer's

@@ -50,12 +50,60 @@ def test_grammar_mask_needs_no_host_sync(smollm2_dir):
         assert all(ch.isalpha() and ch.islower() or ch == " " for ch in tok.decode([t])), t
 
 
+@pytest.mark.gpu
+def test_token_automaton_needs_no_host_sync(smollm2_dir):
+    """A regex as a token automaton on the device (mask from each row's state, state moved by
+    the sampled token) under CUDA's sync debug mode "error", several steps: each step's tokens
+    are allowed in the state the host's cursor reaches with the previous ones."""
+    from transformers import AutoTokenizer
+
+    from tandem.engine.token_fsm import FSMStates
+    from tandem.layers.sampler import GrammarFSM
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    dev = torch.device("cuda")
+    V, B = 49152, 256
+    manager = StructuredOutputManager(tok, V, frozenset([tok.eos_token_id]))
+    cursors = [manager.sample_grammar(StructuredOutputsParams(regex=r"[a-z]{1,6}( [a-z]{1,6})*"))
+               for _ in range(B)]
+    states = FSMStates(dev)
+    states.bind(cursors)
+    fsm = cursors[0].fsm
+    allowed, nxt = fsm.device_tables(dev)
+    g = GrammarFSM(rows=torch.arange(B, device=dev), slots=torch.tensor([c.slot for c in cursors], device=dev),
+                   offsets=torch.zeros(B, dtype=torch.int32, device=dev), allowed=allowed, next_state=nxt,
+                   states=states)
+    m = SamplingMetadata(
+        temperature=torch.ones(B, device=dev), greedy=torch.zeros(B, dtype=torch.bool, device=dev),
+        all_greedy=False, top_k=None, top_p=None, min_p=None, generators={}, max_num_logprobs=-1,
+        processed_logprobs=False, fsm=g)
+    sampler = Sampler(0, dev)
+    logits = torch.randn(B, V, device=dev)
+    sampler(logits.clone(), m)  # compiles outside the checked region
+    torch.cuda.synchronize()
+    states.tensor.zero_()
+    outs = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            outs.append(sampler(logits.clone(), m).token_ids)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for row, c in enumerate(cursors):
+        for step in outs:
+            token = step[row].item()
+            assert fsm.next_state[c.state, token] >= 0, (row, tok.decode([token]))
+            c.advance(token)
+        assert states.tensor[c.slot].item() == c.state
+
+
 def decode_step_cost(llm) -> dict:
     """The decode-step time of 256 rows free and constrained (a regex that never ends; EOS biased
     away in both runs, so both run ~every step to max_tokens): the mean (the engine's step stats)
     and the median (each step timed; the mean also carries a constrained batch's one-off second
     step, where every fresh grammar copy computes its mask from scratch). Both per decode step: the
-    free rows run in the engine's default decode windows, the constrained ones step by step. (No
+    free rows run in the engine's default decode windows, and so do rows whose regex is a token
+automaton (the default backend); llguidance's rows step by step. (No
     min_tokens: it would rebuild the sampling tensors every step in both runs.)"""
     prompts = [f"Write a word about the number {i}:" for i in range(256)]
     eos = llm.get_tokenizer().eos_token_id
@@ -63,7 +111,7 @@ def decode_step_cost(llm) -> dict:
                           logit_bias={eos: -100.0})
     constrained = free.clone(structured_outputs=StructuredOutputsParams(regex=r"[a-z ]*"))
     engine = llm.llm_engine
-    step, decode_steps = engine.step, []
+    step, decode_steps, calls = engine.step, [], []
 
     def timed_step():
         before, t0 = engine.step_stats["decode"][0], time.perf_counter()
@@ -71,6 +119,7 @@ def decode_step_cost(llm) -> dict:
         ran = engine.step_stats["decode"][0] - before  # a decode window (free rows) runs several
         if ran:
             decode_steps.extend([(time.perf_counter() - t0) / ran] * ran)
+            calls.append(ran)
         return out
 
     result = {}
@@ -80,13 +129,15 @@ def decode_step_cost(llm) -> dict:
             llm.generate(prompts[:8], params, use_tqdm=False)  # warm
             engine.step_stats["decode"] = [0, 0.0]
             decode_steps.clear()
+            calls.clear()
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - t0
             steps, seconds = engine.step_stats["decode"]
             result[name] = {"decode_step_ms": 1e3 * seconds / max(steps, 1),
                             "median_decode_step_ms": 1e3 * sorted(decode_steps)[len(decode_steps) // 2],
-                            "decode_steps": steps, "wall_s": wall,
+                            "decode_steps": steps, "steps_per_window": steps / max(len(calls), 1),
+                            "wall_s": wall,
                             "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
             if name == "structured":
                 assert all(re.fullmatch(r"[a-z ]*", o.outputs[0].text) for o in outs)
@@ -107,9 +158,11 @@ def test_structured_decode_step_cost_at_batch_256(smollm2_dir):
 
 
 @pytest.mark.gpu
-def test_structured_decode_step_cost_on_a_1_5b_model(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "guidance"])
+def test_structured_decode_step_cost_on_a_1_5b_model(smollm2_dir, tmp_path, backend):
     """A Qwen2.5-1.5B-shaped model (random weights, SmolLM2's tokenizer and vocabulary): a step
-    the device takes longer than the host, as in serving and RL rollouts. Printed."""
+    the device takes longer than the host, as in serving and RL rollouts. Printed; the regex as
+    a token automaton (auto) decodes in the free rows' windows."""
     from transformers import AutoTokenizer
 
     from tandem.models.presets import preset_config
@@ -119,14 +172,18 @@ def test_structured_decode_step_cost_on_a_1_5b_model(smollm2_dir, tmp_path):
     config.vocab_size, config.eos_token_id, config.bos_token_id = 49152, tok.eos_token_id, tok.bos_token_id
     config.save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), tokenizer=smollm2_dir, load_format="dummy", max_model_len=512,
-              max_num_seqs=256, gpu_memory_utilization=0.5)
-    print(json.dumps({"model": "qwen2.5-1.5b-shaped", **decode_step_cost(llm)}))
+              max_num_seqs=256, gpu_memory_utilization=0.5, structured_outputs_backend=backend)
+    cost = decode_step_cost(llm)
+    print(json.dumps({"model": "qwen2.5-1.5b-shaped", "backend": backend, **cost}))
+    if backend == "auto":
+        windows = cost["structured"]["steps_per_window"], cost["free"]["steps_per_window"]
+        assert windows[0] > 1 and abs(windows[0] - windows[1]) <= 0.05 * windows[1], windows
 
 
 @pytest.mark.gpu
 def test_gpu_json_schema_samples_validate(smollm2_dir):
     """Through CUDA graphs, the fused sampler and async scheduling: every sample validates."""
-    import jsonschema
+    jsonschema = pytest.importorskip("jsonschema")
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -28,8 +28,19 @@ PROMPTS = ["The capital of France is", "Hello, my name is"]
 
 @pytest.fixture(scope="module")
 def llm():
+    """llguidance for every constraint (regexes and choices too: the tests of its host path)."""
     tok = make_tokenizer()
-    return LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4)
+    return LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
+               structured_outputs_backend="guidance")
+
+
+@pytest.fixture(scope="module")
+def fsm_llm():
+    """The default backend (regexes and choices as token automata), decoding in windows of 4
+    with async scheduling, as on a GPU."""
+    tok = make_tokenizer()
+    return LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
+               async_scheduling=True, num_scheduler_steps=4)
 
 
 def sample(llm, so, n=6, seeds=(0, 1), **kw):
@@ -51,7 +62,9 @@ def test_json_schema_every_sample_validates(llm):
     assert_no_leak(llm)
 
 
-def test_regex_and_choice(llm):
+@pytest.mark.parametrize("backend", ["guidance", "auto"])
+def test_regex_and_choice(llm, fsm_llm, backend):
+    llm = llm if backend == "guidance" else fsm_llm
     pattern = r"[0-9]{3}-[a-z]{2}"
     for c in sample(llm, StructuredOutputsParams(regex=pattern)):
         assert re.fullmatch(pattern, c.text), c.text
@@ -96,7 +109,7 @@ def test_async_scheduling_gives_the_same_outputs(llm, monkeypatch, tokens_back):
     sync = run(llm)
     tok = llm.get_tokenizer()
     other = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
-                async_scheduling=True)
+                async_scheduling=True, structured_outputs_backend="guidance")
     monkeypatch.setattr(AsyncSamplerOutput, "ready", lambda self: tokens_back)
     filler = other.llm_engine.worker.model_runner.fill_bitmask
     fills, early = [], []
@@ -121,6 +134,70 @@ def test_async_scheduling_gives_the_same_outputs(llm, monkeypatch, tokens_back):
         assert early == []
     assert other.llm_engine._grammar_held == [] and other.llm_engine._grammar_rows == []
     assert_no_leak(other)
+
+
+def test_token_automata_give_llguidances_outputs(llm, fsm_llm, monkeypatch):
+    """Regexes as token automata stepping on the device, in windows of 4 under async scheduling,
+    sample exactly what llguidance's host masks give step by step (same seeds): the same tokens,
+    logprobs, texts and finish reasons (a grammar complete mid-window, a regex's EOS, ignore_eos,
+    the length cap). Their rows ran in windows, and every device slot came back. (A pattern that
+    forces bytes, as a choice does once unambiguous, may differ: llguidance then allows only
+    their canonical tokenization, an automaton any; tests/engine/test_token_fsm.py.)"""
+    runner = fsm_llm.llm_engine.worker.model_runner
+    windows = []
+    run_window = runner._run_window
+    monkeypatch.setattr(runner, "_run_window", lambda sched, *a: windows.append(
+        sum(s.fsm is not None for s in sched.seqs)) or run_window(sched, *a))
+    regex = StructuredOutputsParams(regex=r"[a-z]{2,6}( [a-z]{1,5}){0,3}")
+    short = StructuredOutputsParams(regex=r"[a-z]{1,3}")
+    params = [SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24, structured_outputs=regex),
+              SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True,
+                             structured_outputs=short),
+              SamplingParams(temperature=0, max_tokens=6, structured_outputs=regex),
+              SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)]
+
+    def run(engine):
+        outs = engine.generate([p for p in PROMPTS for _ in params], params * len(PROMPTS), use_tqdm=False)
+        return [(c.text, c.finish_reason, c.token_ids, c.cumulative_logprob) for o in outs for c in o.outputs]
+
+    want, got = run(llm), run(fsm_llm)
+    assert got == want
+    reasons = {r for _, r, _, _ in got}
+    assert {"stop", "length"} <= reasons
+    assert windows and max(windows) > 0  # constrained rows decoded in windows
+    assert runner.fsm_states.num_bound == 0
+    assert_no_leak(fsm_llm)
+
+
+def test_aborted_constrained_samples_give_their_device_slots_back(fsm_llm):
+    engine = fsm_llm.llm_engine
+    so = StructuredOutputsParams(regex=r"[a-z ]*")
+    rid = engine.add_request(None, PROMPTS[0], SamplingParams(n=4, seed=1, max_tokens=40,
+                                                              structured_outputs=so))
+    for _ in range(3):
+        engine.step()
+    assert engine.worker.model_runner.fsm_states.num_bound == 4
+    engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # (the in-flight step, if any)
+    assert engine.worker.model_runner.fsm_states.num_bound == 0
+    assert_no_leak(fsm_llm)
+
+
+def test_fsm_backend_refuses_what_is_not_regular():
+    tok = make_tokenizer()
+    strict = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok,
+                 structured_outputs_backend="fsm")
+    so = StructuredOutputsParams(json=SCHEMA)
+    with pytest.raises(ValueError, match="structured_outputs_backend='fsm'"):
+        strict.generate(PROMPTS[:1], SamplingParams(structured_outputs=so), use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs_backend"):
+        LLM(make_tiny_model("llama"), tokenizer=tok, structured_outputs_backend="xgrammar")
+    out = strict.generate(PROMPTS[:1], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"])), use_tqdm=False)  # still usable
+    assert out[0].outputs[0].text in ("yes", "no")
+    assert_no_leak(strict)
 
 
 def test_bad_constraints_are_refused(llm):
@@ -225,7 +302,7 @@ def test_a_grammar_failing_on_the_worker_fails_the_step_and_holds_nothing(monkey
 
     tok = make_tokenizer()
     other = LLM(make_tiny_model("llama", eos_token_id=tok.eos_token_id), tokenizer=tok, block_size=4,
-                async_scheduling=True)
+                async_scheduling=True, structured_outputs_backend="guidance")
     engine = other.llm_engine
     so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=24, structured_outputs=so)
