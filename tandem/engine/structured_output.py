@@ -130,7 +130,7 @@ class StructuredOutputManager:
             if self._vocabulary is None:
                 self._vocabulary = vocabulary(self.tokenizer, self.vocab_size)
             try:
-                hit = compile_token_fsm(pattern, *self._vocabulary, self.eos_token_ids)
+                hit = compile_token_fsm(pattern, self._vocabulary, self.eos_token_ids)
             except (ValueError, re.error) as e:  # (UnsupportedRegex is a ValueError)
                 hit = f"{type(e).__name__}: {e}"
             self._fsms[pattern] = hit

@@ -139,48 +139,69 @@ class FSMStates:
         self._free = list(range(2 * n - 1, n - 1, -1)) + self._free
 
 
-def token_transitions(transitions: np.ndarray, token_bytes: list[bytes], usable: np.ndarray) -> np.ndarray:
+class TokenVocabulary:
+    """A vocabulary's token bytes as a matrix, built once per engine: the usable tokens (`usable[t]`:
+    may appear in text) sorted longest first, each row a token's bytes zero-padded."""
+
+    def __init__(self, token_bytes: list[bytes], usable: np.ndarray):
+        self.size = len(token_bytes)
+        ids = np.flatnonzero(usable)
+        lens = np.array([len(token_bytes[t]) for t in ids], dtype=np.int64)
+        order = np.argsort(-lens, kind="stable")
+        self.ids, self.lens = ids[order], lens[order]
+        width = int(self.lens.max()) if len(ids) else 0
+        self.data = np.zeros((len(ids), width), dtype=np.uint8)
+        for row, t in enumerate(self.ids.tolist()):
+            self.data[row, : self.lens[row]] = np.frombuffer(token_bytes[t], dtype=np.uint8)
+
+
+def token_transitions(transitions: np.ndarray, vocab: TokenVocabulary) -> np.ndarray:
     """[S, V] int32: the byte automaton's state after each token's bytes from each state (-1: a
-    byte has no transition, or the token is not usable). Vectorised over states and tokens, one
-    byte position at a time (tokens sorted longest first, so a position's tokens are a prefix)."""
-    S, V = transitions.shape[0], len(token_bytes)
+    byte has no transition, or the token is not usable). Bytes the automaton treats alike (same
+    column) are one class, so tokens spelling the same class sequence (every lowercase word of a
+    length, for `[a-z ]*`) are walked once; the walk is vectorised over states and those
+    sequences, one position at a time (longest first, so a position's sequences are a prefix)."""
+    S = transitions.shape[0]
     dead = S
-    table = np.where(transitions < 0, dead, transitions).astype(np.int32)
-    table = np.vstack([table, np.full((1, 256), dead, dtype=np.int32)])
-    ids = np.flatnonzero(usable)
-    lens = np.array([len(token_bytes[t]) for t in ids], dtype=np.int64)
-    order = np.argsort(-lens, kind="stable")
-    ids, lens = ids[order], lens[order]
-    width = int(lens.max()) if len(lens) else 0
-    data = np.zeros((len(ids), width), dtype=np.uint8)
-    for row, t in enumerate(ids.tolist()):
-        b = token_bytes[t]
-        data[row, : len(b)] = np.frombuffer(b, dtype=np.uint8)
-    cur = np.broadcast_to(np.arange(S, dtype=np.int32)[:, None], (S, len(ids))).copy()
-    counts = np.searchsorted(-lens, -np.arange(width), side="left")  # tokens longer than p
+    columns, byte_class = np.unique(transitions.T, axis=0, return_inverse=True)
+    C = columns.shape[0]
+    table = np.full((S + 1, C), dead, dtype=np.int32)
+    table[:S] = np.where(columns.T < 0, dead, columns.T)
+    width = vocab.data.shape[1]
+    dtype = np.uint8 if C < 255 else np.uint16
+    classes = byte_class.reshape(-1).astype(dtype)[vocab.data]  # [n, width]
+    classes[np.arange(width)[None, :] >= vocab.lens[:, None]] = C  # past the end: its own class
+    rows = np.ascontiguousarray(classes).view(np.dtype((np.void, width * classes.itemsize)))
+    unique, inverse = np.unique(rows.reshape(-1), return_inverse=True)  # (rows as bytes: fast)
+    seqs = unique.view(dtype).reshape(-1, width).astype(np.int64)
+    seq_lens = (seqs != C).sum(axis=1)
+    order = np.argsort(-seq_lens, kind="stable")
+    seqs, seq_lens = seqs[order], seq_lens[order]
+    rank = np.empty_like(order)
+    rank[order] = np.arange(len(order))
+    cur = np.broadcast_to(np.arange(S, dtype=np.int32)[:, None], (S, len(seqs))).copy()
+    counts = np.searchsorted(-seq_lens, -np.arange(width), side="left")  # sequences longer than p
     for p in range(width):
         n = int(counts[p])
-        cur[:, :n] = table[cur[:, :n], data[:n, p]]
-    out = np.full((S, V), -1, dtype=np.int32)
-    out[:, ids] = np.where(cur == dead, -1, cur)
+        cur[:, :n] = table[cur[:, :n], seqs[:n, p]]
+    out = np.full((S, vocab.size), -1, dtype=np.int32)
+    out[:, vocab.ids] = np.where(cur == dead, -1, cur)[:, rank[inverse.reshape(-1)]]
     return out
 
 
-def compile_token_fsm(pattern: str, token_bytes: list[bytes], usable: np.ndarray,
-                      eos_ids: list[int]) -> TokenFSM:
+def compile_token_fsm(pattern: str, vocab: TokenVocabulary, eos_ids: list[int]) -> TokenFSM:
     """The token automaton of `pattern` (full match, as llguidance's regex grammars) over a
-    vocabulary: `token_bytes[t]` the bytes token t stands for, `usable[t]` whether it may appear
-    in text (not special, not empty). Raises UnsupportedRegex (ValueError) where the pattern has
-    constructs the byte compiler lacks or the table would pass MAX_TABLE_BYTES."""
+    vocabulary. Raises UnsupportedRegex (ValueError) where the pattern has constructs the byte
+    compiler lacks or the table would pass MAX_TABLE_BYTES."""
     from tandem.engine.regex_dfa import UnsupportedRegex, compile_regex
 
-    V = len(token_bytes)
+    V = vocab.size
     max_states = min(MAX_TABLE_BYTES // (2 * V), np.iinfo(np.int16).max) - 1
     if max_states < 1:
         raise UnsupportedRegex(f"a vocabulary of {V} tokens leaves no room for a state table")
     dfa = compile_regex(pattern, max_states=max_states)
     S = dfa.num_states
-    nxt = np.vstack([token_transitions(dfa.transitions, token_bytes, usable).astype(np.int16),
+    nxt = np.vstack([token_transitions(dfa.transitions, vocab).astype(np.int16),
                      np.full((1, V), S, dtype=np.int16)])  # row S: done, everything -> done
     eos = [t for t in eos_ids if 0 <= t < V]
     accepting = np.append(dfa.accepting, False)
@@ -191,14 +212,14 @@ def compile_token_fsm(pattern: str, token_bytes: list[bytes], usable: np.ndarray
     return TokenFSM(nxt, ends)
 
 
-def vocabulary(ll_tokenizer, vocab_size: int) -> tuple[list[bytes], np.ndarray]:
+def vocabulary(ll_tokenizer, vocab_size: int) -> TokenVocabulary:
     """Each token id's bytes as llguidance's tokenizer sees them (so both backends judge text
-    alike) and which may appear in text: not special, not empty, inside the tokenizer (a model's
-    vocabulary may be padded past it)."""
+    alike), keeping those that may appear in text: not special, not empty, inside the tokenizer
+    (a model's vocabulary may be padded past it)."""
     n = min(vocab_size, ll_tokenizer.vocab_size)
     token_bytes = [ll_tokenizer.decode_bytes([t]) for t in range(n)] + [b""] * (vocab_size - n)
     usable = np.array([bool(b) for b in token_bytes], dtype=bool)
     for t in range(n):
         if usable[t] and ll_tokenizer.is_special_token(t):
             usable[t] = False
-    return token_bytes, usable
+    return TokenVocabulary(token_bytes, usable)

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.engine.token_fsm import FSMCursor, FSMStates, compile_token_fsm, token_transitions
+from tandem.engine.token_fsm import (
+    FSMCursor,
+    FSMStates,
+    TokenVocabulary,
+    compile_token_fsm,
+    token_transitions,
+)
 from tandem.layers.sampler import GrammarFSM
 
 llguidance = pytest.importorskip("llguidance")
@@ -61,7 +67,7 @@ def test_masks_and_ends_are_llguidances_on_random_walks(smol, pattern):
 
     tok, llt = smol
     V, eos = 49152, tok.eos_token_id
-    fsm = compile_token_fsm(pattern, *vocabulary(llt, V), [eos])
+    fsm = compile_token_fsm(pattern, vocabulary(llt, V), [eos])
     rng = random.Random(0)
     forced_states = 0
     for walk in range(6):
@@ -96,7 +102,7 @@ def test_token_walk_equals_a_byte_by_byte_walk():
     trans[rng.random((S, 256)) < 0.5] = -1
     tokens = [bytes(rng.integers(0, 256, size=rng.integers(1, 8)).tolist()) for _ in range(300)]
     usable = rng.random(300) > 0.1
-    got = token_transitions(trans, tokens, usable)
+    got = token_transitions(trans, TokenVocabulary(tokens, usable))
     for s in range(S):
         for t, b in enumerate(tokens):
             state = s if usable[t] else -1
@@ -110,7 +116,7 @@ def test_token_walk_equals_a_byte_by_byte_walk():
 def test_eos_only_where_accepting_and_done_allows_everything():
     vocab = [b"a", b"b", b"ab", b"", b"<eos>"]
     usable = np.array([True, True, True, False, False])
-    fsm = compile_token_fsm("ab?", vocab, usable, eos_ids=[4])
+    fsm = compile_token_fsm("ab?", TokenVocabulary(vocab, usable), eos_ids=[4])
     start = fsm.next_state[0]
     assert list(start >= 0) == [True, False, True, False, False]  # "a" or "ab"; no EOS yet
     c = FSMCursor(fsm)
@@ -128,7 +134,8 @@ def test_device_states_step_as_the_host_does():
     state, states moved by the sampled tokens, as host cursors move."""
     vocab = [bytes([c]) for c in b"abc"] + [b"<eos>"]
     usable = np.array([True, True, True, False])
-    fsms = [compile_token_fsm("a+b", vocab, usable, [3]), compile_token_fsm("c|ab", vocab, usable, [3])]
+    v = TokenVocabulary(vocab, usable)
+    fsms = [compile_token_fsm("a+b", v, [3]), compile_token_fsm("c|ab", v, [3])]
     dev = torch.device("cpu")
     store = FSMStates(dev, capacity=1)  # grows on the second bind
     cursors = [FSMCursor(fsms[0]), FSMCursor(fsms[1])]
