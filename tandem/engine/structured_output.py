@@ -26,6 +26,9 @@ import torch
 from tandem.sampling_params import StructuredOutputsParams
 
 _CACHE_SIZE = 64  # compiled grammars kept (an RL rollout asks for the same one many times)
+# token automata kept, by their tables' bytes (host and device copies alike; one table is at most
+# token_fsm.MAX_TABLE_BYTES): the samples still running keep theirs alive past eviction
+_FSM_CACHE_BYTES = 256 << 20
 
 
 def grammar_source(so: StructuredOutputsParams) -> str:
@@ -134,9 +137,10 @@ class StructuredOutputManager:
             except (ValueError, re.error) as e:  # (UnsupportedRegex is a ValueError)
                 hit = f"{type(e).__name__}: {e}"
             self._fsms[pattern] = hit
-            if len(self._fsms) > _CACHE_SIZE:
-                self._fsms.popitem(last=False)
         self._fsms.move_to_end(pattern)
+        while len(self._fsms) > 1 and (len(self._fsms) > _CACHE_SIZE or sum(
+                f.next_state.nbytes for f in self._fsms.values() if not isinstance(f, str)) > _FSM_CACHE_BYTES):
+            self._fsms.popitem(last=False)
         return hit
 
     def matcher(self, so: StructuredOutputsParams):

@@ -160,3 +160,25 @@ def test_device_states_step_as_the_host_does():
     for c in cursors:
         c.release()
     assert store.num_bound == 0
+
+
+def test_compiled_automata_are_kept_by_bytes(monkeypatch):
+    """The manager keeps compiled automata up to a byte budget, most recently used last; a
+    pattern the byte compiler lacks is cached as the reason (and goes to llguidance)."""
+    from model_fixtures import make_tokenizer
+
+    from tandem.engine import structured_output
+    from tandem.engine.structured_output import StructuredOutputManager
+    from tandem.sampling_params import StructuredOutputsParams
+
+    tok = make_tokenizer()
+    manager = StructuredOutputManager(tok, 320, frozenset([tok.eos_token_id]))
+    first = manager.sample_grammar(StructuredOutputsParams(regex="[a-z]+"))
+    assert isinstance(first, FSMCursor)
+    monkeypatch.setattr(structured_output, "_FSM_CACHE_BYTES", first.fsm.next_state.nbytes)
+    second = manager.sample_grammar(StructuredOutputsParams(regex="[0-9]+"))
+    assert list(manager._fsms) == ["[0-9]+"]  # the first went over the budget
+    assert first.fsm.num_states and second.fsm is manager._fsms["[0-9]+"]
+    flagged = manager.sample_grammar(StructuredOutputsParams(regex="(?i)cat"))  # (Rust's syntax)
+    assert not isinstance(flagged, FSMCursor)  # an llguidance matcher
+    assert isinstance(manager._fsms["(?i)cat"], str)
