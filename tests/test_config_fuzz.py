@@ -74,6 +74,7 @@ ENGINE = {
     "logprobs_mode": _choice("raw_logprobs", "processed_logprobs"),
     "trust_remote_code": _bool(),
     "attention_backend": _choice("auto", "torch", "triton"),
+    "structured_outputs_backend": _choice("auto", "guidance", "fsm"),
     "decode_gemm": lambda v: _choice("cublas", "triton")(v) or (  # or an existing .json table
         isinstance(v, str) and v.endswith(".json") and os.path.isfile(v)),
     "async_scheduling": _bool(optional=True),
