@@ -330,3 +330,25 @@ def test_a_grammar_failing_on_the_worker_fails_the_step_and_holds_nothing(monkey
     for c in (c for o in outs for c in o.outputs):
         assert c.finish_reason == "length" or jsonschema.validate(json.loads(c.text), SCHEMA) is None
     assert_no_leak(other)
+
+
+def test_token_automata_keep_their_state_through_preemption(llm):
+    """A KV cache too small for the batch: constrained samples are preempted and recomputed while
+    decoding in windows under async scheduling; each keeps its device slot and state, so the
+    outputs are llguidance's (which keeps its matcher) under the same pressure."""
+    tok = llm.get_tokenizer()
+    regex = StructuredOutputsParams(regex=r"[a-z]{2,6}( [a-z]{1,5}){0,4}")
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=24, structured_outputs=regex)
+    kw = dict(tokenizer=tok, block_size=4, num_gpu_blocks_override=14, max_model_len=48)
+    model = make_tiny_model("llama", eos_token_id=tok.eos_token_id)
+    outs = {}
+    for backend in ("guidance", "auto"):
+        engine = LLM(model, structured_outputs_backend=backend, async_scheduling=True,
+                     num_scheduler_steps=4, **kw)
+        got = engine.generate(PROMPTS, params, use_tqdm=False)
+        outs[backend] = [(c.text, c.finish_reason, c.token_ids) for o in got for c in o.outputs]
+        assert engine.llm_engine.scheduler.num_preemptions > 0
+        assert engine.llm_engine.worker.model_runner.fsm_states.num_bound == 0
+        assert_no_leak(engine)
+    assert outs["auto"] == outs["guidance"]
+    assert all(re.fullmatch(r"[a-z]{2,6}( [a-z]{1,5}){0,4}", t) for t, _, _ in outs["auto"])
