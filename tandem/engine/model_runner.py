@@ -382,8 +382,8 @@ class ModelRunner:
         """Compile, before serving, every Triton variant an eager step can reach.
 
         Graph capture compiles the decode path. What it leaves is shape-dependent: prefill
-        attention's tile (by the longest query in the step) and the sampler (greedy or sampling,
-        with or without ranks). A serving engine whose batches vary would otherwise compile them
+        attention's tile (by the longest query in the step), the sampler (greedy or sampling,
+        with or without ranks) and the grammar mask. A serving engine whose batches vary would otherwise compile them
         between tokens, stalling every request for the second each takes. Dummy steps write no
         KV-cache slot. Returns the seconds it took.
         """
@@ -391,6 +391,7 @@ class ModelRunner:
 
         from tandem.kernels.prefill_attention import tile_rows_classes
         from tandem.kernels.sampling import sample
+        from tandem.layers.sampler import apply_grammar_bitmask
 
         t0 = time.perf_counter()
         a = self.attn_layers[0]
@@ -413,6 +414,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[-1:].expand(2, -1).contiguous())
         temperature = torch.ones(2, dtype=torch.float32, device=dev)
         processed = self.config.logprobs_mode == "processed_logprobs"
+        words = -(-logits.shape[1] // 32)  # the grammar mask (llguidance's and token automata's)
+        apply_grammar_bitmask(logits.clone(), torch.zeros(1, dtype=torch.int64, device=dev),
+                              torch.full((1, words), -1, dtype=torch.int32, device=dev))
         for sampling in (False, True):
             greedy = torch.tensor([True, False], device=dev) if sampling else None
             seeds = torch.zeros(2, dtype=torch.int64, device=dev) if sampling else None

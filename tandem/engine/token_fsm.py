@@ -7,8 +7,8 @@ byte automaton (`tandem.engine.regex_dfa`) walked over every vocabulary token's 
 state gives a table `next_state[state, token]`, computed once per grammar (outlines' index). On
 the device each constrained sample keeps its state in a slot (`FSMStates`); a step masks a row's
 logits with its state's allowed tokens and moves the state by the sampled token, two gathers
-(`tandem.layers.sampler.GrammarFSM`). So constrained rows run in windows and CUDA graphs'
-company like free ones. The host steps its own copy of the table to see where a sample ends.
+(`tandem.layers.sampler.GrammarFSM`). So constrained rows decode in windows beside free ones,
+at about a free row's cost. The host steps its own copy of the table to see where a sample ends.
 
 End of a sample, as llguidance's matcher: after a token that leaves the grammar complete with
 nothing but EOS allowed (`ends`), or after EOS from an accepting state (into `done`, whose row
