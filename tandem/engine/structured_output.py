@@ -73,12 +73,20 @@ BACKENDS = ("auto", "guidance", "fsm")
 
 
 def fsm_pattern(so: StructuredOutputsParams) -> str | None:
-    """The regex a token automaton would compile for `so`: regexes and choices are regular;
-    JSON schemas and Lark grammars go to llguidance."""
+    """The regex a token automaton would compile for `so`: regexes, choices, and the JSON
+    schemas whose documents are a regular language (`tandem.engine.json_schema_regex`); any
+    JSON object and Lark grammars go to llguidance."""
+    from tandem.engine.json_schema_regex import UnsupportedSchema, json_schema_regex
+
     if so.regex is not None:
         return so.regex
     if so.choice is not None:
         return "|".join(re.escape(c) for c in so.choice)
+    if so.json is not None:
+        try:
+            return json_schema_regex(so.json, whitespace_flexible=not so.disable_any_whitespace)
+        except UnsupportedSchema:
+            return None
     return None
 
 
@@ -118,9 +126,9 @@ class StructuredOutputManager:
         fsm = self._token_fsm(pattern) if pattern is not None else None
         if isinstance(fsm, str) or (fsm is None and self.backend == "fsm"):
             if self.backend == "fsm":
-                raise ValueError(f"structured_outputs: structured_outputs_backend='fsm' takes regex "
-                                 f"and choice constraints that compile to a token automaton; "
-                                 f"{fsm or 'this one is not a regex or choice'}")
+                raise ValueError(f"structured_outputs: structured_outputs_backend='fsm' takes regex, "
+                                 f"choice and closed JSON schema constraints that compile to a token "
+                                 f"automaton; {fsm or 'this one is none of them'}")
             fsm = None
         return FSMCursor(fsm) if fsm is not None else self.matcher(so)
 

@@ -97,19 +97,21 @@ def test_token_automaton_needs_no_host_sync(smollm2_dir):
         assert states.tensor[c.slot].item() == c.state
 
 
-def decode_step_cost(llm) -> dict:
-    """The decode-step time of 256 rows free and constrained (a regex that never ends; EOS biased
-    away in both runs, so both run ~every step to max_tokens): the mean (the engine's step stats)
-    and the median (each step timed; the mean also carries a constrained batch's one-off second
-    step, where every fresh grammar copy computes its mask from scratch). Both per decode step: the
-    free rows run in the engine's default decode windows, and so do rows whose regex is a token
-automaton (the default backend); llguidance's rows step by step. (No
-    min_tokens: it would rebuild the sampling tensors every step in both runs.)"""
+def decode_step_cost(llm, so: StructuredOutputsParams | None = None, check=None) -> dict:
+    """The decode-step time of 256 rows free and constrained (by default a regex that never ends;
+    EOS biased away in both runs, so both run ~every step to max_tokens): the mean (the engine's
+    step stats) and the median (each step timed; the mean also carries a constrained batch's
+    one-off second step, where every fresh llguidance copy computes its mask from scratch). Both
+    per decode step: the free rows run in the engine's default decode windows, and so do rows
+    whose constraint is a token automaton (the default backend); llguidance's rows step by step.
+    (No min_tokens: it would rebuild the sampling tensors every step in both runs.)"""
     prompts = [f"Write a word about the number {i}:" for i in range(256)]
     eos = llm.get_tokenizer().eos_token_id
     free = SamplingParams(temperature=1.0, seed=0, max_tokens=96, ignore_eos=True,
                           logit_bias={eos: -100.0})
-    constrained = free.clone(structured_outputs=StructuredOutputsParams(regex=r"[a-z ]*"))
+    if so is None:
+        so, check = StructuredOutputsParams(regex=r"[a-z ]*"), lambda text: re.fullmatch(r"[a-z ]*", text)
+    constrained = free.clone(structured_outputs=so)
     engine = llm.llm_engine
     step, decode_steps, calls = engine.step, [], []
 
@@ -139,8 +141,8 @@ automaton (the default backend); llguidance's rows step by step. (No
                             "decode_steps": steps, "steps_per_window": steps / max(len(calls), 1),
                             "wall_s": wall,
                             "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-            if name == "structured":
-                assert all(re.fullmatch(r"[a-z ]*", o.outputs[0].text) for o in outs)
+            if name == "structured" and check is not None:
+                assert all(check(o.outputs[0].text) for o in outs)
     finally:
         del engine.step
     result["ratio"] = result["structured"]["decode_step_ms"] / result["free"]["decode_step_ms"]
@@ -195,3 +197,33 @@ def test_gpu_json_schema_samples_validate(smollm2_dir):
     outs = llm.generate(["A person, as JSON:", "Describe a user:"], params, use_tqdm=False)
     for c in (c for o in outs for c in o.outputs):
         jsonschema.validate(json.loads(c.text), schema)
+
+
+CLOSED = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def closed_schema_samples(llm) -> list:
+    """256 samples of a closed JSON schema (a token automaton under the default backend), in
+    windows beside free rows; the finished ones must validate."""
+    import jsonschema
+
+    so = StructuredOutputsParams(json=CLOSED, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_outputs=so) for i in range(256)]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=64) for i in range(32)]
+    outs = llm.generate([f"A person, as JSON ({i}):" for i in range(len(params))], params, use_tqdm=False)
+    done = [o.outputs[0] for o in outs[:256] if o.outputs[0].finish_reason == "stop"]
+    for c in done:
+        jsonschema.validate(json.loads(c.text), CLOSED)
+    return done
+
+
+@pytest.mark.gpu
+def test_gpu_closed_json_schema_runs_as_a_token_automaton(smollm2_dir):
+    pytest.importorskip("jsonschema")
+    llm = LLM(smollm2_dir, max_model_len=512, gpu_memory_utilization=0.3)
+    assert llm.llm_engine.config.num_scheduler_steps is None and llm.llm_engine.scheduler.num_scheduler_steps > 1
+    done = closed_schema_samples(llm)
+    assert len(done) > 128
+    assert llm.llm_engine.worker.model_runner.fsm_states.num_bound == 0

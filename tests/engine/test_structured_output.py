@@ -169,6 +169,27 @@ def test_token_automata_give_llguidances_outputs(llm, fsm_llm, monkeypatch):
     assert_no_leak(fsm_llm)
 
 
+def test_closed_json_schemas_run_as_token_automata(fsm_llm):
+    """A closed schema (additionalProperties false, no numeric bounds) compiles to a token
+    automaton; its samples, in windows, all validate. An open one goes to llguidance."""
+    closed = {"type": "object", "properties": {
+        "ok": {"type": "boolean"}, "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "n": {"type": "integer"}, "note": {"type": "string", "maxLength": 6}},
+        "required": ["ok", "city", "n"], "additionalProperties": False}
+    manager = fsm_llm.llm_engine.structured_outputs
+    outs = sample(fsm_llm, StructuredOutputsParams(json=closed, disable_any_whitespace=True), n=4, seeds=(0, 1, 2))
+    assert [v for k, v in manager._fsms.items() if k.startswith(r"\{")]  # compiled, not refused
+    assert not isinstance(next(v for k, v in manager._fsms.items() if k.startswith(r"\{")), str)
+    done = [c for c in outs if c.finish_reason == "stop"]
+    assert len(done) >= len(outs) // 2, [c.text for c in outs]
+    for c in done:
+        jsonschema.validate(json.loads(c.text), closed)
+    open_schema = dict(closed, additionalProperties=True)
+    assert not isinstance(manager.sample_grammar(StructuredOutputsParams(json=open_schema)),
+                          type(manager.sample_grammar(StructuredOutputsParams(json=closed))))
+    assert_no_leak(fsm_llm)
+
+
 def test_aborted_constrained_samples_give_their_device_slots_back(fsm_llm):
     engine = fsm_llm.llm_engine
     so = StructuredOutputsParams(regex=r"[a-z ]*")
