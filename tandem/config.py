@@ -85,10 +85,11 @@ class EngineConfig:
     # of a table `python -m tandem.bench.gemm --table-out` wrote. Other shapes and M stay cuBLAS.
     decode_gemm: str = "cublas"
     # How structured outputs are enforced (vLLM's structured_outputs_config.backend): "auto" runs a
-    # regex or choice as a token automaton stepping on the device (its rows decode in windows at
-    # the cost of a free row) where it compiles to a small enough table, and everything else
-    # (JSON schemas, Lark grammars, larger patterns) through llguidance, whose masks the host
-    # computes each step; "guidance" always llguidance; "fsm" only token automata (others refused).
+    # regex, choice or closed JSON schema as a token automaton stepping on the device (its rows
+    # decode in windows at the cost of a free row) where it compiles to a small enough table, and
+    # everything else (other JSON schemas, Lark grammars, larger patterns) through llguidance,
+    # whose masks the host computes each step; "guidance" always llguidance; "fsm" only token
+    # automata (others refused).
     structured_outputs_backend: str = "auto"
 
     def for_serving(self) -> EngineConfig:

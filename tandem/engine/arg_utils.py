@@ -50,8 +50,8 @@ _HELP = {
     "and reads back once per window; 1: every step; None: 4 offline on CUDA, else 1)",
     "decode_gemm": "cublas | triton (the Triton GEMM where this GPU's table says it wins) | a table "
     "(.json) from `python -m tandem.bench.gemm --table-out`",
-    "structured_outputs_backend": "auto (regex and choice as token automata on the device, the rest "
-    "through llguidance) | guidance (llguidance only) | fsm (token automata only)",
+    "structured_outputs_backend": "auto (regexes, choices, closed JSON schemas as token automata on the "
+    "device; the rest through llguidance) | guidance (llguidance only) | fsm (token automata only)",
     "batch_invariant": "batch-invariant kernels: a token's logits never depend on the rest of the "
     "batch (exact trainer/engine logprob parity for RL; slower)",
 }

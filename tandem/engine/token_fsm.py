@@ -15,7 +15,8 @@ nothing but EOS allowed (`ends`), or after EOS from an accepting state (into `do
 allows everything, so a window's steps past the end sample freely for nothing).
 
 A grammar is compiled this way only where its table stays small (`MAX_TABLE_BYTES`): others, and
-JSON schemas and Lark grammars, go through llguidance (`EngineConfig.structured_outputs_backend`).
+open JSON schemas and Lark grammars, go through llguidance (`EngineConfig.structured_outputs_backend`;
+closed JSON schemas arrive as regexes: `tandem.engine.json_schema_regex`).
 """
 
 from __future__ import annotations
