@@ -68,7 +68,7 @@ class TokenFSM:
 class FSMCursor:
     """One sample's place in its grammar, on the host (the device keeps its own, in `slot`)."""
 
-    __slots__ = ("fsm", "state", "slot", "_states")
+    __slots__ = ("_states", "fsm", "slot", "state")
 
     def __init__(self, fsm: TokenFSM):
         self.fsm = fsm

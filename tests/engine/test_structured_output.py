@@ -360,7 +360,7 @@ def test_token_automata_keep_their_state_through_preemption(llm):
     tok = llm.get_tokenizer()
     regex = StructuredOutputsParams(regex=r"[a-z]{2,6}( [a-z]{1,5}){0,4}")
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=24, structured_outputs=regex)
-    kw = dict(tokenizer=tok, block_size=4, num_gpu_blocks_override=14, max_model_len=48)
+    kw = {"tokenizer": tok, "block_size": 4, "num_gpu_blocks_override": 14, "max_model_len": 48}
     model = make_tiny_model("llama", eos_token_id=tok.eos_token_id)
     outs = {}
     for backend in ("guidance", "auto"):
