@@ -211,8 +211,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         grammars = [None] * params.n
         if params.structured_outputs is not None:
-            so = params.structured_outputs
-            grammars = [self.structured_outputs.sample_grammar(so) for _ in range(params.n)]
+            grammars = self.structured_outputs.sample_grammars(params.structured_outputs, params.n)
         state = RequestState(request_id, text, ids, params, output_kind)
         leader = None
         for i in range(params.n):

@@ -383,9 +383,9 @@ class ModelRunner:
 
         Graph capture compiles the decode path. What it leaves is shape-dependent: prefill
         attention's tile (by the longest query in the step), the sampler (greedy or sampling,
-        with or without ranks) and the grammar mask. A serving engine whose batches vary would otherwise compile them
-        between tokens, stalling every request for the second each takes. Dummy steps write no
-        KV-cache slot. Returns the seconds it took.
+        with or without ranks) and the grammar mask. A serving engine whose batches vary would
+        otherwise compile them between tokens, stalling every request for the second each takes.
+        Dummy steps write no KV-cache slot. Returns the seconds it took.
         """
         import time
 

@@ -97,15 +97,15 @@ class Sequence:
         # automata step on the device), and the host can judge afterwards where it ended (stop
         # tokens, stop strings, max_tokens, a grammar complete). min_tokens is checked as it grows.
         p = sampling_params
-        self.windowable = p.structured_outputs is None and (p.logprobs is None or p.logprobs == 0)
+        self._no_logprob_lists = p.logprobs is None or p.logprobs == 0
+        self.windowable = p.structured_outputs is None and self._no_logprob_lists
 
     def set_grammar(self, grammar) -> None:
         """Constrain the sample: an llguidance matcher, or a token automaton's cursor (which
         steps on the device, so the sample may still decode in windows)."""
         if isinstance(grammar, FSMCursor):
             self.fsm = grammar
-            p = self.sampling_params
-            self.windowable = p.logprobs is None or p.logprobs == 0
+            self.windowable = self._no_logprob_lists
         else:
             self.matcher = grammar
 

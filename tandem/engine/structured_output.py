@@ -43,8 +43,13 @@ def grammar_source(so: StructuredOutputsParams) -> str:
     if so.regex is not None:
         return LLMatcher.grammar_from_regex(so.regex)
     if so.choice is not None:
-        return LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in so.choice))
+        return LLMatcher.grammar_from_regex(choice_regex(so.choice))
     return LLMatcher.grammar_from_lark(so.grammar)
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A choice as the regex both backends compile: the alternation of the strings, escaped."""
+    return "|".join(re.escape(c) for c in choices)
 
 
 def check_grammar(so: StructuredOutputsParams) -> None:
@@ -69,9 +74,6 @@ def _grammar_error(source: str) -> str:
     return LLMatcher.validate_grammar(source)
 
 
-BACKENDS = ("auto", "guidance", "fsm")
-
-
 def fsm_pattern(so: StructuredOutputsParams) -> str | None:
     """The regex a token automaton would compile for `so`: regexes, choices, and the JSON
     schemas whose documents are a regular language (`tandem.engine.json_schema_regex`); any
@@ -81,7 +83,7 @@ def fsm_pattern(so: StructuredOutputsParams) -> str | None:
     if so.regex is not None:
         return so.regex
     if so.choice is not None:
-        return "|".join(re.escape(c) for c in so.choice)
+        return choice_regex(so.choice)
     if so.json is not None:
         try:
             return json_schema_regex(so.json, whitespace_flexible=not so.disable_any_whitespace)
@@ -116,36 +118,38 @@ class StructuredOutputManager:
         self._vocabulary = None  # token bytes and which may appear in text, for token automata
         self._fsms: OrderedDict[str, object] = OrderedDict()  # pattern -> TokenFSM, or the reason it has none
 
-    def sample_grammar(self, so: StructuredOutputsParams):
-        """One sample's constraint: a token automaton's cursor, or an llguidance matcher.
-        ValueError naming the problem if the grammar is invalid (or, with backend "fsm", cannot
-        be a token automaton)."""
+    def sample_grammars(self, so: StructuredOutputsParams, n: int) -> list:
+        """The constraint of a request's n samples: token automata's cursors, or llguidance
+        matchers. ValueError naming the problem if the grammar is invalid (or, with backend
+        "fsm", cannot be a token automaton)."""
         from tandem.engine.token_fsm import FSMCursor
 
-        pattern = fsm_pattern(so) if self.backend != "guidance" else None
-        fsm = self._token_fsm(pattern) if pattern is not None else None
-        if isinstance(fsm, str) or (fsm is None and self.backend == "fsm"):
+        if self.backend != "guidance":
+            pattern = fsm_pattern(so)
+            fsm = self._token_fsm(pattern) if pattern is not None else "not a regex, choice or closed JSON schema"
+            if not isinstance(fsm, str):
+                return [FSMCursor(fsm) for _ in range(n)]
             if self.backend == "fsm":
                 raise ValueError(f"structured_outputs: structured_outputs_backend='fsm' takes regex, "
                                  f"choice and closed JSON schema constraints that compile to a token "
-                                 f"automaton; {fsm or 'this one is none of them'}")
-            fsm = None
-        return FSMCursor(fsm) if fsm is not None else self.matcher(so)
+                                 f"automaton; {fsm}")
+        return [self.matcher(so) for _ in range(n)]
 
     def _token_fsm(self, pattern: str):
         """The pattern's TokenFSM, or a string saying why it has none (cached either way)."""
         from tandem.engine.token_fsm import compile_token_fsm, vocabulary
 
         hit = self._fsms.get(pattern)
-        if hit is None:
-            if self._vocabulary is None:
-                self._vocabulary = vocabulary(self.tokenizer, self.vocab_size)
-            try:
-                hit = compile_token_fsm(pattern, self._vocabulary, self.eos_token_ids)
-            except (ValueError, re.error) as e:  # (UnsupportedRegex is a ValueError)
-                hit = f"{type(e).__name__}: {e}"
-            self._fsms[pattern] = hit
-        self._fsms.move_to_end(pattern)
+        if hit is not None:
+            self._fsms.move_to_end(pattern)
+            return hit
+        if self._vocabulary is None:
+            self._vocabulary = vocabulary(self.tokenizer, self.vocab_size)
+        try:
+            hit = compile_token_fsm(pattern, self._vocabulary, self.eos_token_ids)
+        except (ValueError, re.error) as e:  # (UnsupportedRegex is a ValueError)
+            hit = f"{type(e).__name__}: {e}"
+        self._fsms[pattern] = hit
         while len(self._fsms) > 1 and (len(self._fsms) > _CACHE_SIZE or sum(
                 f.next_state.nbytes for f in self._fsms.values() if not isinstance(f, str)) > _FSM_CACHE_BYTES):
             self._fsms.popitem(last=False)

@@ -64,8 +64,7 @@ def test_token_automaton_needs_no_host_sync(smollm2_dir):
     dev = torch.device("cuda")
     V, B = 49152, 256
     manager = StructuredOutputManager(tok, V, frozenset([tok.eos_token_id]))
-    cursors = [manager.sample_grammar(StructuredOutputsParams(regex=r"[a-z]{1,6}( [a-z]{1,6})*"))
-               for _ in range(B)]
+    cursors = manager.sample_grammars(StructuredOutputsParams(regex=r"[a-z]{1,6}( [a-z]{1,6})*"), B)
     states = FSMStates(dev)
     states.bind(cursors)
     fsm = cursors[0].fsm

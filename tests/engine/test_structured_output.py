@@ -185,8 +185,8 @@ def test_closed_json_schemas_run_as_token_automata(fsm_llm):
     for c in done:
         jsonschema.validate(json.loads(c.text), closed)
     open_schema = dict(closed, additionalProperties=True)
-    assert not isinstance(manager.sample_grammar(StructuredOutputsParams(json=open_schema)),
-                          type(manager.sample_grammar(StructuredOutputsParams(json=closed))))
+    assert not isinstance(manager.sample_grammars(StructuredOutputsParams(json=open_schema), 1)[0],
+                          type(manager.sample_grammars(StructuredOutputsParams(json=closed), 1)[0]))
     assert_no_leak(fsm_llm)
 
 

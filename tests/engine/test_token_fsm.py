@@ -216,12 +216,12 @@ def test_compiled_automata_are_kept_by_bytes(monkeypatch):
 
     tok = make_tokenizer()
     manager = StructuredOutputManager(tok, 320, frozenset([tok.eos_token_id]))
-    first = manager.sample_grammar(StructuredOutputsParams(regex="[a-z]+"))
+    first = manager.sample_grammars(StructuredOutputsParams(regex="[a-z]+"), 1)[0]
     assert isinstance(first, FSMCursor)
     monkeypatch.setattr(structured_output, "_FSM_CACHE_BYTES", first.fsm.next_state.nbytes)
-    second = manager.sample_grammar(StructuredOutputsParams(regex="[0-9]+"))
+    second = manager.sample_grammars(StructuredOutputsParams(regex="[0-9]+"), 1)[0]
     assert list(manager._fsms) == ["[0-9]+"]  # the first went over the budget
     assert first.fsm.num_states and second.fsm is manager._fsms["[0-9]+"]
-    flagged = manager.sample_grammar(StructuredOutputsParams(regex="(?i)cat"))  # (Rust's syntax)
+    flagged = manager.sample_grammars(StructuredOutputsParams(regex="(?i)cat"), 1)[0]  # (Rust's syntax)
     assert not isinstance(flagged, FSMCursor)  # an llguidance matcher
     assert isinstance(manager._fsms["(?i)cat"], str)
