@@ -66,17 +66,16 @@ class GrammarFSM:
     allowed: torch.Tensor  # [G, ceil(V / 32)] int32, a bitmask row per state
     next_state: torch.Tensor  # [G, V] int16, each grammar's own state numbers
     states: object  # holds `.tensor`, [slots] int32 (read at each step: it may have grown)
-    _current: torch.Tensor | None = None  # this step's rows' states in the tables, from `apply`
+
+    def _global_states(self) -> torch.Tensor:
+        return (self.states.tensor[self.slots] + self.offsets).long()
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Mask the rows by their states (every sampler path calls it before `advance`)."""
-        self._current = (self.states.tensor[self.slots] + self.offsets).long()
-        apply_grammar_bitmask(logits, self.rows, self.allowed[self._current])
+        apply_grammar_bitmask(logits, self.rows, self.allowed[self._global_states()])
 
     def advance(self, token_ids: torch.Tensor) -> None:
-        nxt = self.next_state[self._current, token_ids[self.rows]]
+        nxt = self.next_state[self._global_states(), token_ids[self.rows]]
         self.states.tensor[self.slots] = nxt.to(torch.int32)
-        self._current = None
 
 
 @dataclass
