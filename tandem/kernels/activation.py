@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from tandem.kernels import pdl
 from tandem.kernels.activation_ref import silu_and_mul_ref, silu_mul_ref  # noqa: F401 (the references)
 
 _BLOCK = 1024
@@ -23,7 +25,10 @@ def _silu_and_mul_kernel(
     gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o,
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -71,9 +76,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = _rows(x, 2 * inter)
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     if x2.shape[0] > 0 and inter > 0:
+        launch_pdl = pdl.enabled(x2)
         _silu_and_mul_kernel[_grid(x2.shape[0], inter)](
             x2, x2[:, inter:], out, x2.stride(0), x2.stride(0), out.stride(0),
-            INTER=inter, BLOCK=min(_BLOCK, triton.next_power_of_2(inter)), num_warps=4,
+            INTER=inter, BLOCK=min(_BLOCK, triton.next_power_of_2(inter)), PDL=launch_pdl,
+            num_warps=4, launch_pdl=launch_pdl,
         )
     return out.view(*x.shape[:-1], inter)
 
@@ -85,9 +92,11 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     g2, u2 = _rows(gate, inter), _rows(up, inter)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     if g2.shape[0] > 0 and inter > 0:
+        launch_pdl = pdl.enabled(g2)
         _silu_and_mul_kernel[_grid(g2.shape[0], inter)](
             g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0),
-            INTER=inter, BLOCK=min(_BLOCK, triton.next_power_of_2(inter)), num_warps=4,
+            INTER=inter, BLOCK=min(_BLOCK, triton.next_power_of_2(inter)), PDL=launch_pdl,
+            num_warps=4, launch_pdl=launch_pdl,
         )
     return out.view(gate.shape)
 

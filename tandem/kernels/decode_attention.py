@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from tandem.kernels import pdl
 from tandem.kernels.rotary import check_rotary_args
 
 LOG2E = 1.4426950408889634
@@ -73,7 +75,10 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     PARTIAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
+        gdc_wait()
     kv_block = tl.program_id(0)
     split = tl.program_id(1)
     seq = tl.program_id(2)
@@ -171,7 +176,10 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -334,6 +342,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         new_k, new_v, positions, cos_cache, sin_cache, slot_mapping = new
         new_strides = (*new_k.stride()[:2], *new_v.stride()[:2], cos_cache.stride(0))
     grid = (num_kv_heads // cfg.heads_kv, num_splits, batch)
+    launch_pdl = pdl.enabled(q_BNH)
     _decode_kernel[grid](
         q_BNH, k_cache, v_cache, seq_lens, block_tables,
         dst, mid_lse,
@@ -357,8 +366,10 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         BLOCK_D=block_d,
         PARTIAL=partial,
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        PDL=launch_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=launch_pdl,
         # no multiply-add contraction, with the rotation in the kernel or not: the fused rotation
         # then rounds as `tandem.kernels.rotary` does (contracted, a rotated key differed by an ulp
         # on the H200), and both variants attend with the same arithmetic
@@ -373,6 +384,8 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            PDL=launch_pdl,
             num_warps=4,
+            launch_pdl=launch_pdl,
         )
     return out

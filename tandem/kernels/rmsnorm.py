@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from tandem.kernels import pdl
 from tandem.kernels.rmsnorm_ref import (  # noqa: F401 (the references)
     fused_add_rms_norm_ref,
     rms_norm_backward_ref,
@@ -30,7 +32,10 @@ def _rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -65,6 +70,7 @@ def _launch(x, residual, weight, eps, out_dtype=None):
         r2 = res_out = x2  # unused
     block = triton.next_power_of_2(hidden)
     if x2.shape[0] > 0:
+        launch_pdl = pdl.enabled(x2)
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight.contiguous(), out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
@@ -72,7 +78,9 @@ def _launch(x, residual, weight, eps, out_dtype=None):
             N=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            PDL=launch_pdl,
             num_warps=min(16, max(1, block // 256)),
+            launch_pdl=launch_pdl,
         )
     return out.view(x.shape), res_out.view(x.shape)
 

@@ -19,7 +19,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
+from triton.language.extra.cuda import gdc_wait, libdevice
+
+from tandem.kernels import pdl
 
 BLOCK = 4096  # columns per loop step; fixes the noise layout, so it must not depend on shapes
 SUB = BLOCK // 4  # one Philox call yields 4 words: one for each quarter of the block
@@ -78,7 +80,10 @@ def _sample_chunk_kernel(
     FAST_LOG: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
+        gdc_wait()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row64 = row.to(tl.int64)
@@ -135,7 +140,10 @@ def _sample_merge_kernel(
     stride_row, num_chunks,
     PROCESSED: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     mask = offs < num_chunks
@@ -224,19 +232,21 @@ def sample(
     part = torch.empty(3, n_part, dtype=torch.float32, device=dev)[:, : S * num_chunks].view(3, S, num_chunks)
     part_idx = torch.empty(S, num_chunks, dtype=torch.int32, device=dev)
     sample_rows = greedy is not None
+    launch_pdl = pdl.enabled(logits)
     _sample_chunk_kernel[(S, num_chunks)](
         logits, inv_t, greedy if sample_rows else inv_t, seeds if sample_rows else inv_t,
         part[0], part[1], part[2], part_idx,
         V, logits.stride(0), blocks_per_chunk, num_chunks,
         SAMPLE=sample_rows, PROCESSED=processed, FAST_LOG=dev.type == "cuda", BLOCK=BLOCK, SUB=SUB,
-        num_warps=4,
+        PDL=launch_pdl, num_warps=4, launch_pdl=launch_pdl,
     )
     token_lp = torch.empty(S, dtype=torch.float32, device=dev)
     _sample_merge_kernel[(S,)](
         logits, inv_t, part[0], part[1], part[2], part_idx,
         token, logprob, token_lp,
         logits.stride(0), num_chunks,
-        PROCESSED=processed, BLOCK_C=triton.next_power_of_2(n_blocks), num_warps=1,
+        PROCESSED=processed, BLOCK_C=triton.next_power_of_2(n_blocks), PDL=launch_pdl, num_warps=1,
+        launch_pdl=launch_pdl,
     )
     if want_ranks:
         _rank_kernel[(S, num_chunks)](
