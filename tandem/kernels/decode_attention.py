@@ -144,11 +144,14 @@ def _decode_kernel(
         n_mask = offs_n < end
         page = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = offs_n % BLOCK_SIZE
-        k_offs = (page * stride_kb + in_page * stride_ks)[None, :] + k_cols[:, None]
+        # K and V tiles alike, a token per row ([N, C], contiguous rows); K transposed in the dot
+        # (loaded as [C, N] instead, the tile streamed ~6% slower on the H200, same bits)
+        kv_rows = n_mask[:, None] & col_mask[None, :]
+        k_offs = (page * stride_kb + in_page * stride_ks)[:, None] + k_cols[None, :]
         v_offs = (page * stride_vb + in_page * stride_vs)[:, None] + v_cols[None, :]
-        k = tl.load(k_cache_ptr + k_offs, mask=col_mask[:, None] & n_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + v_offs, mask=n_mask[:, None] & col_mask[None, :], other=0.0)
-        s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        k = tl.load(k_cache_ptr + k_offs, mask=kv_rows, other=0.0)
+        v = tl.load(v_cache_ptr + v_offs, mask=kv_rows, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
