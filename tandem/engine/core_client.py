@@ -20,6 +20,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from tandem.config import EngineConfig
 from tandem.engine.core import (
+    ABORT,
     STOP,
     EngineCore,
     EngineCoreOutputs,
@@ -175,6 +176,8 @@ class MPClient:
     Commands are pickled by the caller (so an unpicklable one fails there) and written by a
     sender thread (a full pipe never blocks the event loop); a receiver thread reads one message
     per engine step. A core that dies is noticed at once: its pipe reaches end-of-file.
+    A request's prompt crosses in its first output only (`CoreClients._lean`): it is kept here
+    and put back into the later ones, so callers see whole RequestOutputs.
     `core` is the core's process when this client started it (it then stops it too); with
     several API servers the parent process owns it.
     """
@@ -193,6 +196,8 @@ class MPClient:
         self.proc = core.proc if core is not None else None
         self._on_outputs, self._on_exit = on_outputs, on_exit
         self._stopping = False
+        # unfinished requests' (prompt, prompt token ids), from their first output
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(
             target=self._send_loop, name="tandem-core-send", daemon=True
@@ -209,6 +214,10 @@ class MPClient:
 
     def send(self, cmds: list[tuple]) -> None:
         self._outbox.put(ForkingPickler.dumps(cmds))
+        for cmd in cmds:
+            if cmd[0] == ABORT:
+                for rid in cmd[1]:
+                    self._prompts.pop(rid, None)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Say STOP (the core aborts this server's requests, and stops if it was the last one);
@@ -233,11 +242,25 @@ class MPClient:
         finally:
             conn.close()
 
+    def _with_prompts(self, msg: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Put each output's prompt back (it crossed with the request's first output only)."""
+        prompts = self._prompts
+        for out in msg.outputs:
+            rid = out.request_id
+            if out.prompt_token_ids is None:  # (an aborted request's: nobody reads it)
+                out.prompt, out.prompt_token_ids = (
+                    prompts.pop(rid, (None, [])) if out.finished else prompts.get(rid, (None, [])))
+            elif not out.finished:
+                prompts[rid] = (out.prompt, out.prompt_token_ids)
+        for rid, _ in msg.failed:
+            prompts.pop(rid, None)
+        return msg
+
     def _recv_loop(self) -> None:
         conn = self._out_recv
         try:
             while True:
-                self._on_outputs(conn.recv())
+                self._on_outputs(self._with_prompts(conn.recv()))
         except (EOFError, OSError):
             pass
         except BaseException:

@@ -146,20 +146,24 @@ class ModelRunner:
         bs = self.block_size
         seqs = sched.seqs
         B = len(seqs)
-        n = np.asarray(sched.num_new_tokens, dtype=np.int64)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, B)
+        # (list comprehensions, then one conversion each: this runs over every row of every step,
+        # and a generator fed to np.fromiter costs about three times as much per row)
+        num_new = sched.num_new_tokens
+        starts_list = [s.num_computed_tokens for s in seqs]
+        n = np.array(num_new, dtype=np.int64)
+        starts = np.array(starts_list, dtype=np.int64)
         qsl = np.zeros(B + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])
         T = int(qsl[-1])
         decode_only = sched.is_decode_only
         # sequences whose chunk reaches their placeholder: that last input is filled on the device
-        pending_seqs = [i for i, (s, a, k) in enumerate(zip(seqs, starts.tolist(), sched.num_new_tokens))
-                        if s.num_placeholders and a + k > len(s.token_ids)]
+        pending_seqs = [i for i, s in enumerate(seqs)
+                        if s.num_placeholders and starts_list[i] + num_new[i] > len(s.token_ids)]
         K = sched.num_steps
         width = B if K == 1 else -(-B // 4) * 4  # a window's rows, each starting 16-byte aligned
         if decode_only:
             # (a pending row reads a stale id here, overwritten on the device below)
-            input_ids = np.fromiter((s.token_ids[-1] for s in seqs), np.int64, B)
+            input_ids = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)
             positions = starts
             seq_index = np.arange(B)
             if K > 1:  # [K, width] flat: step k's positions (padding columns repeat the last row)
@@ -181,7 +185,7 @@ class ModelRunner:
         if pending_seqs:
             if prev_token_ids is None:
                 raise RuntimeError("placeholder inputs but no in-flight step to read them from")
-            rows = np.fromiter((seqs[i].pending_row for i in pending_seqs), np.int64, len(pending_seqs))
+            rows = np.array([seqs[i].pending_row for i in pending_seqs], dtype=np.int64)
             parts += [pending, rows]
         # Every part starts 16-byte aligned (an even number of int64s): kernels reading a part
         # in place (positions, slot mapping) are specialized on pointer alignment by Triton, and
@@ -225,13 +229,11 @@ class ModelRunner:
         same sequences (steady decode) only the rows whose table grew are rewritten, not the
         whole table of every sequence."""
         B = len(seqs)
-        lens = np.fromiter((len(s.block_table) for s in seqs), np.int64, B)
-        key = np.fromiter(itertools.chain.from_iterable((s.seq_id, s.block_table_epoch) for s in seqs),
-                          np.int64, 2 * B)
+        lens = np.array([len(s.block_table) for s in seqs], dtype=np.int64)
+        key = ([s.seq_id for s in seqs], [s.block_table_epoch for s in seqs])  # compared as lists
         max_blocks = int(lens.max())
         cached = self._block_table_cache
-        if (cached is not None and cached[0].shape == key.shape and cached[2].shape[1] >= max_blocks
-                and np.array_equal(cached[0], key)):
+        if cached is not None and cached[2].shape[1] >= max_blocks and cached[0] == key:
             _, old_lens, tables = cached
             for row in np.flatnonzero(lens != old_lens).tolist():
                 table = seqs[row].block_table

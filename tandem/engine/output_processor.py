@@ -145,8 +145,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.seqs[0].num_cached_tokens,
             metrics={"arrival_time": state.seqs[0].arrival_time,
-                     "first_token_time": min((s.first_token_time for s in state.seqs if s.first_token_time),
-                                             default=None)},
+                     "first_token_time": _first_token_time(state.seqs)},
         )
 
     @staticmethod
@@ -218,3 +217,10 @@ class OutputProcessor:
         if text is None and self.tokenizer is not None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _first_token_time(seqs: list[Sequence]) -> float | None:
+    """When the request's first token came back (its earliest sample's)."""
+    if len(seqs) == 1:  # (every streamed output asks: the common case without a generator)
+        return seqs[0].first_token_time or None
+    return min((s.first_token_time for s in seqs if s.first_token_time), default=None)

@@ -79,6 +79,29 @@ def test_a_failing_step_fails_its_requests_and_the_engine_lives_on(llm):
     assert llm.stats.num_free_blocks == llm.stats.num_blocks == total  # shipped with the step
 
 
+def test_every_streamed_output_carries_its_prompt(llm):
+    """The prompt crosses the process boundary in a request's first output only; the client puts
+    it back, so each delta output (and the final one) reads the same as in thread mode."""
+    prompt = {"prompt": "five six", "prompt_token_ids": [5, 6, 7, 8]}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def outputs():
+        return [out async for out in llm.generate("prompted", prompt, params)]
+
+    outs = asyncio.run(outputs())
+    assert len(outs) == 5 and outs[-1].finished
+    assert [(o.prompt, o.prompt_token_ids) for o in outs] == [("five six", [5, 6, 7, 8])] * 5
+    if llm.engine_mode == "process":
+        assert llm.engine_core._prompts == {}  # nothing kept once the request finished
+
+        async def abandon():  # a request left after its first output is aborted: forgotten too
+            async for _ in llm.generate("abandoned", prompt, SamplingParams(max_tokens=50)):
+                break
+
+        asyncio.run(abandon())
+        assert "abandoned" not in llm.engine_core._prompts
+
+
 def test_idle_engine_core_does_not_step(llm):
     asyncio.run(llm.call(_count_steps))
     asyncio.run(_tokens(llm, "d"))
