@@ -7,10 +7,11 @@ Decode is memory-bound: the table reports GB/s of KV cache read and its share of
 Decode calls are timed as the engine runs them, inside a CUDA graph (no launch overhead), and
 rotate over enough copies of the cache that L2 holds none of what a call reads. `--rotary`
 times the attention layer's decode step both ways: rotary + cache write, then attention (two
-kernels), and the fused `rotary_store_decode_attention` (one). `--baseline`
-loads another decode_attention module from a file (e.g. an older version, from `git show`) and
-times it beside the current one; `--sweep` also tries a grid of launch configurations. Prefill
-reports TFLOP/s of the causal attention matmuls. Ends with one line of JSON.
+kernels), and the fused `rotary_store_decode_attention` (one). `--baseline` loads another
+decode_attention module from a file (e.g. an older version, from `git show`) and times it beside
+the current one (with `--rotary`, its fused step too); `--sweep` also tries a grid of launch
+configurations. Prefill reports TFLOP/s of the causal attention matmuls. Ends with one line of
+JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import importlib.util
 import itertools
 import json
 import statistics
+import sys
 
 import torch
 import triton.testing
@@ -140,10 +142,17 @@ def two_kernels(positions, q_BNH, k_BKH, v_BKH, cos_cache, sin_cache, k_cache, v
     return current.decode_attention(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale)
 
 
-def load_module(path: str):
-    spec = importlib.util.spec_from_file_location("decode_attention_baseline", path)
+def load_module(path: str, name: str = "decode_attention_baseline"):
+    """Import a decode_attention.py from a file under `name` (registered first: its dataclasses
+    look their module up while they are built)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
 
 
@@ -247,6 +256,8 @@ def main() -> None:
             rows.append({**bench.run(two_kernels, "rot+store,attn"), "default_splits": default_splits})
             rows.append({**bench.run(current.rotary_store_decode_attention, "fused"),
                          "default_splits": default_splits})
+            if baseline is not None and hasattr(baseline, "rotary_store_decode_attention"):
+                rows.append(bench.run(baseline.rotary_store_decode_attention, "baseline fused"))
             bench.sets = plain_sets
         if args.sweep:
             swept = [bench.run(current.decode_attention, "sweep", num_splits=splits, config=cfg)
