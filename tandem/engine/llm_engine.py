@@ -25,6 +25,9 @@ from tandem.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
 
+# A sample whose grammar is complete (either backend) ends as a stop with no stop string, as vLLM's.
+GRAMMAR_COMPLETE = ("stop", None)
+
 
 class LLMEngine:
     """The engine loop of docs/architecture.md: add_request -> step (schedule, run, postprocess) -> outputs.
@@ -357,7 +360,7 @@ class LLMEngine:
             state = requests[seq.request_id]
             stop = outputs.check_stop(state, seq)
             if seq.fsm is not None and stop is None and seq.fsm.advance(token_ids[row]):
-                stop = ("stop", None)  # its grammar is complete
+                stop = GRAMMAR_COMPLETE
             if seq.matcher is not None and stop is None:
                 if sampled.grammar_verdicts_pending:  # its grammar is taking the token right now
                     self._grammar_held.append((seq, state))
@@ -390,7 +393,7 @@ class LLMEngine:
                     keep += 1
                     stop = outputs.check_stop(state, seq)
                     if seq.fsm is not None and stop is None and seq.fsm.advance(ids[keep - 1]):
-                        stop = ("stop", None)
+                        stop = GRAMMAR_COMPLETE
             else:
                 keep = window_tokens_kept(seq, ids)
                 complete = False
@@ -399,7 +402,7 @@ class LLMEngine:
                 seq.fill_placeholders(ids[:keep], lps[:keep])
                 stop = outputs.check_stop(state, seq)
                 if stop is None and complete:
-                    stop = ("stop", None)  # its grammar is complete
+                    stop = GRAMMAR_COMPLETE
             if seq.sampling_params.logprobs is not None:
                 seq.output_ranks += ranks[row][:keep]
             filled += keep
@@ -457,7 +460,7 @@ class LLMEngine:
     def _grammar_verdict(seq: Sequence, accepted: bool) -> None:
         """A sample whose grammar refused its token, or is complete, ends with "stop"."""
         if not accepted or seq.matcher.is_stopped():
-            seq.grammar_stop = ("stop", None)
+            seq.grammar_stop = GRAMMAR_COMPLETE
 
     @staticmethod
     def _record_prompt_logprobs(sched: SchedulerOutput, sampled: AsyncSamplerOutput) -> None:

@@ -9,8 +9,8 @@ before its first global load or store, so it reads and overwrites exactly what i
 launched normally; only the launch latency overlaps. A CUDA graph captures the dependency as a
 programmatic edge.
 
-`TANDEM_PDL=0` turns it off (an A/B switch); it is off on CPUs, under the Triton interpreter and
-on GPUs before Hopper.
+`TANDEM_PDL=0` turns it off (an A/B switch, read once at import: `ENABLED`); it is off on CPUs,
+under the Triton interpreter and on GPUs before Hopper.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import functools
 import os
 
 import torch
+
+ENABLED = os.environ.get("TANDEM_PDL", "1") != "0"
 
 
 @functools.cache
@@ -38,6 +40,6 @@ def _device_supports(index: int) -> bool:
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels reading `t` launch with PDL (pass it as the kernel's `PDL` and as
     `launch_pdl`)."""
-    if not t.is_cuda or os.environ.get("TANDEM_PDL", "1") == "0":
+    if not (ENABLED and t.is_cuda):
         return False
     return _device_supports(t.device.index if t.device.index is not None else torch.cuda.current_device())

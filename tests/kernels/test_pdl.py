@@ -10,7 +10,7 @@ from tandem.kernels import pdl
 def test_off_on_the_cpu_and_by_the_switch(monkeypatch):
     assert not pdl.enabled(torch.empty(1))  # CPU tensors (and the interpreter) launch normally
     if torch.cuda.is_available():
-        monkeypatch.setenv("TANDEM_PDL", "0")
+        monkeypatch.setattr(pdl, "ENABLED", False)  # what TANDEM_PDL=0 sets at import
         assert not pdl.enabled(torch.empty(1, device="cuda"))
 
 
@@ -71,7 +71,7 @@ def test_pdl_launches_read_their_producers_output_in_a_cuda_graph(monkeypatch, p
     }
     runs = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("TANDEM_PDL", flag)
+        monkeypatch.setattr(pdl, "ENABLED", flag == "1")
         s = {k: v.clone() for k, v in base.items()}
         _decode_layer(s)  # compile outside capture
         torch.cuda.synchronize()
