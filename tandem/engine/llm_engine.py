@@ -15,7 +15,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
-from tandem.engine.stop_checker import window_tokens_kept
+from tandem.engine.stop_checker import check_stop, window_tokens_kept
 from tandem.engine.structured_output import StructuredOutputManager, check_grammar
 from tandem.engine.worker import Worker
 from tandem.weights.check import TensorSpec, specs_of
@@ -355,19 +355,22 @@ class LLMEngine:
                 continue  # finished or aborted meanwhile: this row was computed for nothing
             seq.fill_placeholder(token_ids[row], logprobs[row])
             filled += 1
-            if seq.sampling_params.logprobs is not None:
-                outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
             state = requests[seq.request_id]
-            stop = outputs.check_stop(state, seq)
-            if seq.fsm is not None and stop is None and seq.fsm.advance(token_ids[row]):
-                stop = GRAMMAR_COMPLETE
-            if seq.matcher is not None and stop is None:
-                if sampled.grammar_verdicts_pending:  # its grammar is taking the token right now
-                    self._grammar_held.append((seq, state))
-                    continue
-                if not sampled.grammars_advanced:
-                    self._advance_grammar(seq, token_ids[row])
-                stop = seq.grammar_stop
+            if not seq.has_token_hooks:
+                stop = check_stop(seq)
+            else:
+                if seq.sampling_params.logprobs is not None:
+                    outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
+                stop = outputs.check_stop(state, seq)
+                if seq.fsm is not None and stop is None and seq.fsm.advance(token_ids[row]):
+                    stop = GRAMMAR_COMPLETE
+                if seq.matcher is not None and stop is None:
+                    if sampled.grammar_verdicts_pending:  # its grammar is taking the token now
+                        self._grammar_held.append((seq, state))
+                        continue
+                    if not sampled.grammars_advanced:
+                        self._advance_grammar(seq, token_ids[row])
+                    stop = seq.grammar_stop
             if stop is not None:
                 self.scheduler.finish(seq, stop[0], stop[1])
             if outputs.output_due(state, seq):

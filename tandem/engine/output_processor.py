@@ -101,25 +101,28 @@ class OutputProcessor:
     # -- outputs ---------------------------------------------------------------------------------
     def make_output(self, state: RequestState) -> RequestOutput | None:
         finished = state.finished
-        if state.output_kind == "final_only" and not finished:
+        kind = state.output_kind
+        if kind == "final_only" and not finished:
             return None
+        delta = kind == "delta"
+        sent_tokens, sent_chars = state.sent_tokens, state.sent_chars
         outputs = []
         for seq in state.seqs:
             i = seq.index
-            start_tok = state.sent_tokens[i] if state.output_kind == "delta" else 0
+            start_tok = sent_tokens[i] if delta else 0
             if state.detokenizers is not None:
                 self._catch_up_text(state, seq)
                 text = seq.output_text
             else:
                 text = self._decode_final(seq)
-            if not seq.is_finished and seq.sampling_params.stop_strings:
+            stop_strings = seq.sampling_params.stop_strings
+            if stop_strings and not seq.is_finished:
                 # hold back what could still become the start of a stop string
-                text = text[: max(0, len(text) - max(map(len, seq.sampling_params.stop_strings)) + 1)]
-            start_chr = state.sent_chars[i] if state.output_kind == "delta" else 0
+                text = text[: max(0, len(text) - max(map(len, stop_strings)) + 1)]
             outputs.append(
                 CompletionOutput(
                     index=i,
-                    text=text[start_chr:],
+                    text=text[sent_chars[i]:] if delta else text,
                     token_ids=seq.token_ids[seq.num_prompt_tokens + start_tok :],
                     cumulative_logprob=seq.cumulative_logprob,
                     logprobs=self._logprobs(seq, start_tok),
@@ -127,13 +130,12 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
-            state.sent_tokens[i] = seq.num_output_tokens
-            state.sent_chars[i] = len(text)
+            sent_tokens[i] = seq.num_output_tokens
+            sent_chars[i] = len(text)
         if finished:
             self.requests.pop(state.request_id, None)
         prompt_logprobs = None
-        if state.params.prompt_logprobs is not None and not (state.output_kind == "delta"
-                                                             and state.sent_prompt_logprobs):
+        if state.params.prompt_logprobs is not None and not (delta and state.sent_prompt_logprobs):
             prompt_logprobs = self._prompt_logprobs(state.seqs[0])
             state.sent_prompt_logprobs = True
         return RequestOutput(

@@ -87,7 +87,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        # (this loop visits every running sequence every step: the block manager is called only
+        # when a block is needed)
         running = self.running
+        block_size = bm.block_size
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -95,24 +98,19 @@ class Scheduler:
             if num_tokens >= seq.max_num_tokens:
                 i += 1  # its in-flight token (async scheduling) is its last: nothing more to run
                 continue
-            num_new = num_tokens - seq.num_computed_tokens
+            computed = seq.num_computed_tokens
+            num_new = num_tokens - computed
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     i += 1
                     continue
                 num_new = budget
-            while not bm.try_append(seq, num_new):
-                victim = running.pop()
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is seq:
-                    break
-            else:
-                out.add(seq, num_new)
-                budget -= num_new
-                i += 1
-                continue
-            break  # the sequence itself was preempted: nothing after it fits either
+            needs_block = computed + num_new > len(seq.block_table) * block_size
+            if needs_block and not self._append_or_preempt(seq, num_new, out):
+                break  # the sequence itself was preempted: nothing after it fits either
+            out.add(seq, num_new)
+            budget -= num_new
+            i += 1
 
         if out.num_preempted:
             return out  # memory is short: do not admit new work this step
@@ -149,6 +147,17 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _append_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        """Blocks for `seq`'s next `num_new` tokens, preempting the newest running sequences
+        until they fit; False when `seq` itself had to go."""
+        while not self.block_manager.try_append(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
 
     def _decode_window(self, out: SchedulerOutput) -> int:
         """How many decode steps this decode-only step may run back to back (vLLM v0's
@@ -216,13 +225,15 @@ class Scheduler:
         and count each token it samples as generated, a placeholder until its id is read back.
         Sequences that finished meanwhile (async scheduling) are skipped: their blocks are gone."""
         bm = self.block_manager
+        block_size = bm.block_size
         running = SequenceStatus.RUNNING
         row = 0
         extra = out.num_steps - 1  # a window's later steps compute the tokens its earlier ones sample
         for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
             if seq.status is running:
                 seq.num_computed_tokens += n + extra
-                bm.cache_full_blocks(seq)
+                if seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
+                    bm.cache_full_blocks(seq)  # (a block may have filled up: not every step)
                 if samples:
                     seq.append_placeholder(row, out.num_steps)
             row += samples

@@ -99,6 +99,11 @@ class Sequence:
         p = sampling_params
         self._no_logprob_lists = p.logprobs is None or p.logprobs == 0
         self.windowable = p.structured_outputs is None and self._no_logprob_lists
+        # Whether a sampled token needs more of the host than its id and the stop-id and length
+        # checks: logprobs to record, stop strings to match, a grammar to step. Most rows need
+        # nothing more, and the read-back of every step skips the rest for them.
+        self.has_token_hooks = (p.logprobs is not None or bool(p.stop_strings)
+                                or p.structured_outputs is not None)
 
     def set_grammar(self, grammar) -> None:
         """Constrain the sample: an llguidance matcher, or a token automaton's cursor (which
