@@ -83,6 +83,9 @@ class Sequence:
         self.fsm = None  # ...its token automaton's cursor (tandem.engine.token_fsm.FSMCursor)
         self.grammar_stop: tuple[str, None] | None = None  # set once the grammar is complete
         self.num_placeholders = 0  # tokens sampled by the in-flight step, not read back yet
+        # Tokens so far, the in-flight step's included: len(token_ids) + num_placeholders, kept
+        # as the two change (the scheduler and the read-back read it for every row every step).
+        self.num_tokens = len(self.token_ids)
         self.pending_row = -1  # row of the in-flight step's sampled tokens holding the placeholder
         # Limits checked every step, computed once.
         limits = [max_model_len] if max_model_len is not None else []
@@ -118,11 +121,6 @@ class Sequence:
         return self.num_tokens
 
     @property
-    def num_tokens(self) -> int:
-        """Tokens so far, the one being sampled by the in-flight step included."""
-        return len(self.token_ids) + self.num_placeholders
-
-    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
@@ -154,9 +152,11 @@ class Sequence:
         """Count the tokens the in-flight step is sampling (row `row` of its output; `count` of
         them in a decode window) as generated."""
         self.num_placeholders += count
+        self.num_tokens += count
         self.pending_row = row
 
     def drop_placeholder(self) -> None:
+        self.num_tokens -= self.num_placeholders
         self.num_placeholders = 0
 
     def fill_placeholder(self, token_id: int, logprob: float) -> None:
