@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -12,12 +12,15 @@ from tandem.outputs import CompletionOutput
 from tandem.serve.errors import APIError
 from tandem.serve.protocol import ChatCompletionRequest, ChatMessage, TokenizeRequest
 from tandem.serve.serving import (
+    HOLE,
     OpenAIServing,
     disconnected_response,
     finite,
     new_id,
     now,
     prompt_logprobs_json,
+    sse,
+    sse_template,
     token_str,
     usage,
 )
@@ -117,11 +120,14 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _events(
         self, req: ChatCompletionRequest, rid: str, stream: RequestStream, prompt_ids: list[int]
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[str]:
         created = now()
         num_prompt = len(prompt_ids)
         num_generated = 0
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        # chunks of content alone (most of a stream) are filled into a template per choice
+        plain = not (req.logprobs or req.return_token_ids or continuous)
+        templates: dict[int, Callable[[str], str]] = {}
 
         def chunk(choices: list[dict]) -> dict:
             c = {
@@ -144,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
             }
             if req.return_token_ids:
                 first["prompt_token_ids"] = prompt_ids
-            yield chunk([first])
+            yield sse(chunk([first]))
         done: set[int] = set()
         cached = 0
         async for _, out in stream:
@@ -155,6 +161,11 @@ class OpenAIServingChat(OpenAIServing):
                 if c.finish_reason is not None:
                     done.add(c.index)
                 num_generated += len(c.token_ids)
+                if plain and c.finish_reason is None and c.stop_reason is None:
+                    if c.index not in templates:
+                        templates[c.index] = sse_template(chunk([_plain_choice(c.index, HOLE)]))
+                    yield templates[c.index](c.text)
+                    continue
                 choice = {
                     "index": c.index,
                     "delta": {"content": c.text},
@@ -164,11 +175,22 @@ class OpenAIServingChat(OpenAIServing):
                 }
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids
-                yield chunk([choice])
+                yield sse(chunk([choice]))
         if req.include_usage:
             final = chunk([])
             final["usage"] = usage(num_prompt, num_generated, cached)
-            yield final
+            yield sse(final)
+
+
+def _plain_choice(index: int, content: str) -> dict:
+    """A streamed choice of content alone: no logprobs, token ids or finish."""
+    return {
+        "index": index,
+        "delta": {"content": content},
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }
 
 
 def _message_dict(i: int, m: ChatMessage) -> dict:

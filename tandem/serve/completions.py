@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -12,12 +12,15 @@ from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.serve.errors import APIError
 from tandem.serve.protocol import CompletionRequest
 from tandem.serve.serving import (
+    HOLE,
     OpenAIServing,
     disconnected_response,
     finite,
     new_id,
     now,
     prompt_logprobs_json,
+    sse,
+    sse_template,
     token_str,
     usage,
 )
@@ -125,50 +128,74 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def _events(
         self, req: CompletionRequest, rid: str, stream: RequestStream, num_prompt: int
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncIterator[str]:
         created = now()
         num_generated = 0
         offsets: dict[int, int] = {}  # choice -> characters sent so far (logprobs' text_offset)
         done: set[int] = set()
         prompt_lps: dict[int, list | None] = {}  # prompt -> its logprobs (in its first output)
         cached: dict[int, int] = {}
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        n, echo_only = req.n, req.echo_only
+        # chunks of text alone (most of a stream) are filled into a template per choice
+        plain = not (req.logprobs is not None or req.return_token_ids or continuous or echo_only)
+        plain_first = plain and not req.echo and req.prompt_logprobs is None
+        templates: dict[int, Callable[[str], str]] = {}
+
+        def chunk(choices: list[dict]) -> dict:
+            return {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
+
         async for i, out in stream:
             if i not in prompt_lps:
                 prompt_lps[i] = out.prompt_logprobs
                 cached[i] = out.num_cached_tokens
             for c in out.outputs:
-                index = i * req.n + c.index
+                index = i * n + c.index
                 if index in done or not (c.token_ids or c.text or c.finish_reason):
                     continue  # a sample that finished earlier, or had no token this step
                 if c.finish_reason is not None:
                     done.add(index)
-                if not req.echo_only:
+                if not echo_only:
                     num_generated += len(c.token_ids)
                 first = index not in offsets
+                if ((plain_first if first else plain) and c.finish_reason is None
+                        and c.stop_reason is None):
+                    offsets[index] = offsets.get(index, 0) + len(c.text)
+                    if index not in templates:
+                        templates[index] = sse_template(chunk([_plain_choice(index, HOLE)]))
+                    yield templates[index](c.text)
+                    continue
                 choice = self._choice(req, i, out, c, first and req.echo, offsets.get(index, 0),
                                       prompt_lps[i] if first else None)
                 offsets[index] = offsets.get(index, 0) + len(choice["text"])
                 if first and req.return_token_ids:
                     choice["prompt_token_ids"] = out.prompt_token_ids
-                chunk = {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": self.model_name,
-                    "choices": [choice],
-                }
-                if req.stream_options and req.stream_options.continuous_usage_stats:
-                    chunk["usage"] = usage(num_prompt, num_generated, sum(cached.values()))
-                yield chunk
+                event = chunk([choice])
+                if continuous:
+                    event["usage"] = usage(num_prompt, num_generated, sum(cached.values()))
+                yield sse(event)
         if req.include_usage:
-            yield {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": [],
-                "usage": usage(num_prompt, num_generated, sum(cached.values())),
-            }
+            event = chunk([])
+            event["usage"] = usage(num_prompt, num_generated, sum(cached.values()))
+            yield sse(event)
+
+
+def _plain_choice(index: int, text: str) -> dict:
+    """A streamed choice of text alone: what `_choice` makes without echo, logprobs, token ids
+    or a finish."""
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+    }
 
 
 def _logprobs(token_ids: list[int], entries: list, offset: int, token_text) -> dict:
