@@ -162,35 +162,32 @@ class OpenAIServingChat(OpenAIServing):
                     done.add(c.index)
                 num_generated += len(c.token_ids)
                 if plain and c.finish_reason is None and c.stop_reason is None:
-                    if c.index not in templates:
-                        templates[c.index] = sse_template(chunk([_plain_choice(c.index, HOLE)]))
+                    if c.index not in templates:  # the general choice, its content left open
+                        choice = _choice(req, c)
+                        choice["delta"]["content"] = HOLE
+                        templates[c.index] = sse_template(chunk([choice]))
                     yield templates[c.index](c.text)
                     continue
-                choice = {
-                    "index": c.index,
-                    "delta": {"content": c.text},
-                    "logprobs": _logprobs(c, req.top_logprobs) if req.logprobs else None,
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                if req.return_token_ids:
-                    choice["token_ids"] = c.token_ids
-                yield sse(chunk([choice]))
+                yield sse(chunk([_choice(req, c)]))
         if req.include_usage:
             final = chunk([])
             final["usage"] = usage(num_prompt, num_generated, cached)
             yield sse(final)
 
 
-def _plain_choice(index: int, content: str) -> dict:
-    """A streamed choice of content alone: no logprobs, token ids or finish."""
-    return {
-        "index": index,
-        "delta": {"content": content},
-        "logprobs": None,
-        "finish_reason": None,
-        "stop_reason": None,
+def _choice(req: ChatCompletionRequest, c: CompletionOutput) -> dict:
+    """One streamed choice: the sample's new content, with its logprobs, token ids and finish
+    as the request asked."""
+    choice = {
+        "index": c.index,
+        "delta": {"content": c.text},
+        "logprobs": _logprobs(c, req.top_logprobs) if req.logprobs else None,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
     }
+    if req.return_token_ids:
+        choice["token_ids"] = c.token_ids
+    return choice
 
 
 def _message_dict(i: int, m: ChatMessage) -> dict:

@@ -167,8 +167,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 if ((plain_first if first else plain) and c.finish_reason is None
                         and c.stop_reason is None):
                     offsets[index] = offsets.get(index, 0) + len(c.text)
-                    if index not in templates:
-                        templates[index] = sse_template(chunk([_plain_choice(index, HOLE)]))
+                    if index not in templates:  # the general choice, its text left open
+                        choice = self._choice(req, i, out, c, False, 0)
+                        choice["text"] = HOLE
+                        templates[index] = sse_template(chunk([choice]))
                     yield templates[index](c.text)
                     continue
                 choice = self._choice(req, i, out, c, first and req.echo, offsets.get(index, 0),
@@ -184,18 +186,6 @@ class OpenAIServingCompletion(OpenAIServing):
             event = chunk([])
             event["usage"] = usage(num_prompt, num_generated, sum(cached.values()))
             yield sse(event)
-
-
-def _plain_choice(index: int, text: str) -> dict:
-    """A streamed choice of text alone: what `_choice` makes without echo, logprobs, token ids
-    or a finish."""
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": None,
-        "stop_reason": None,
-    }
 
 
 def _logprobs(token_ids: list[int], entries: list, offset: int, token_text) -> dict:
