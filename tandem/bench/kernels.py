@@ -227,7 +227,8 @@ def main() -> None:
 
     baseline = load_module(args.baseline) if args.baseline else None
     dtype = getattr(torch, args.dtype)
-    default_cfg = current.decode_config(args.kv_heads, args.head_dim, dtype)
+    default_cfg = current.decode_config(args.kv_heads, args.head_dim, dtype, args.batch,
+                                        torch.device("cuda"))
     rows: list[dict] = []
     for context in args.contexts:
         bench = DecodeBench(args, context)

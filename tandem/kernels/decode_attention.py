@@ -2,8 +2,9 @@
 
 Reference: `attention_ref.paged_attention_ref` with one query per sequence. One program per
 (kv-head block, split, sequence) streams its share of the sequence's keys in tiles of BLOCK_N.
-A program serves `heads_kv` kv heads at once (both of them for Qwen2.5-1.5B), so a tile is one
-contiguous run of `heads_kv * head_dim` elements per token rather than one head's slice of it.
+A program serves `heads_kv` kv heads at once (both of Qwen2.5-1.5B's below 133 rows on an
+H200: `decode_config`), so a tile is one contiguous run of `heads_kv * head_dim` elements per
+token rather than one head's slice of it.
 Their query heads are stacked block-diagonally, [heads_kv * group, heads_kv * head_dim], so one
 tl.dot scores every query head against its own kv head (the zeros cost tensor-core work, which
 decode has to spare; memory traffic is what counts).
@@ -228,14 +229,37 @@ def heads_per_program(num_kv_heads: int, head_dim: int) -> int:
     return n
 
 
-def decode_config(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> DecodeConfig:
+def decode_config(
+    num_kv_heads: int, head_dim: int, dtype: torch.dtype, batch: int | None = None,
+    device: torch.device | None = None,
+) -> DecodeConfig:
     """Tiles of ~16 KB each of K and V. Five stages let Triton double-buffer the tiles *and*
     prefetch the block-table entries that address them (with fewer, the page lookup serialises
-    every tile behind a full memory round trip)."""
+    every tile behind a full memory round trip).
+
+    Given the batch, programs that pair two kv heads of 128 dims (Qwen2.5, Llama 3) pick their
+    config by how many there are per SM, as measured on an H200 (`tandem.bench.kernels` and a
+    sweep of the fused rotary kernel, bf16, Qwen2.5-1.5B, Qwen2.5-7B and Llama-3-8B heads, 64-256
+    rows, 160-1536 keys, equal and random lengths; 2026-12-02):
+
+    - more than two programs per SM: four stages (42 KB of shared memory a program against 75 KB
+      at five): 1.27-1.36x with equal lengths at 512 programs (Qwen2.5-7B, 256 rows), 0.95-1.17x
+      with random ones (the slower at 1536 keys); 1.06-1.12x at 1024;
+    - one to two per SM: one kv head per program, twice the programs (38 KB each): 0.98-1.24x;
+    - fewer: the config above, whose splits of the keys (`default_num_splits`) fill the SMs
+      (one kv head a program there was 0.88x at 1536 random keys, 1.35x at 160).
+    """
     heads_kv = heads_per_program(num_kv_heads, head_dim)
     row = heads_kv * triton.next_power_of_2(head_dim)  # elements per token per tile
     tile_elems = 2048 if dtype == torch.float32 else 8192
     block_n = min(128, max(16, tile_elems // row))
+    if batch is not None and heads_kv == 2 and head_dim == 128 and dtype != torch.float32:
+        programs = batch * num_kv_heads // heads_kv
+        sms = _num_sms(device if device is not None else torch.device("cpu"))  # (a CPU: the H200's)
+        if programs > 2 * sms:
+            return DecodeConfig(heads_kv=2, block_n=32, num_warps=4, num_stages=4)
+        if programs > sms:
+            return DecodeConfig(heads_kv=1, block_n=32, num_warps=4, num_stages=5)
     return DecodeConfig(heads_kv=heads_kv, block_n=block_n, num_warps=4, num_stages=5)
 
 
@@ -318,7 +342,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
     out = torch.empty(q_BNH.shape, dtype=q_BNH.dtype, device=q_BNH.device)  # contiguous
     if batch == 0:
         return out
-    cfg = config or decode_config(num_kv_heads, head_dim, q_BNH.dtype)
+    cfg = config or decode_config(num_kv_heads, head_dim, q_BNH.dtype, batch, q_BNH.device)
     assert num_kv_heads % cfg.heads_kv == 0, f"{cfg.heads_kv=} must divide {num_kv_heads=}"
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size

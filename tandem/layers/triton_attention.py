@@ -11,7 +11,11 @@ import torch
 
 from tandem import batch_invariant
 from tandem.forward_context import AttentionMetadata
-from tandem.kernels.decode_attention import decode_attention, rotary_store_decode_attention
+from tandem.kernels.decode_attention import (
+    decode_attention,
+    decode_config,
+    rotary_store_decode_attention,
+)
 from tandem.kernels.kv_cache import store_kvcache
 from tandem.kernels.prefill_attention import prefill_attention
 from tandem.kernels.rotary import apply_rotary_and_store_kv
@@ -68,9 +72,12 @@ def per_query_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, sca
     """Batch-invariant attention: every query, prefill or decode, is one decode-kernel query over
     its own sequence's keys up to its position, in one split. A token's output then depends on
     its sequence alone, never on how the step chunked or batched it. Padding tokens past the
-    last sequence (a graph's padded step) read the last sequence's keys; their output is unused."""
+    last sequence (a graph's padded step) read the last sequence's keys; their output is unused.
+    The launch config is the batch-free one (`decode_config` without a batch) for the same reason."""
+    config = decode_config(k_cache.shape[2], q.shape[2], q.dtype)
     if meta.decode_only:
-        return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits=1)
+        return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale, num_splits=1,
+                                config=config)
     T = q.shape[0]
     qsl = meta.query_start_loc
     tokens = torch.arange(T, device=q.device, dtype=qsl.dtype)
@@ -79,4 +86,4 @@ def per_query_decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, sca
     own = meta.seq_lens[seq]
     seq_lens = torch.minimum(own - (qsl[seq + 1] - qsl[seq]) + (tokens - qsl[seq]) + 1, own)
     return decode_attention(q, k_cache, v_cache, seq_lens.clamp_(min=1).to(torch.int32),
-                            meta.block_tables[seq], scale, num_splits=1)
+                            meta.block_tables[seq], scale, num_splits=1, config=config)

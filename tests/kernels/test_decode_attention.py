@@ -85,7 +85,8 @@ def test_decode_empty_sequence_gives_zeros(num_kv_heads, num_splits, device, pag
 
 @pytest.mark.parametrize(
     "config",
-    [DecodeConfig(1, 16, 4, 2), DecodeConfig(2, 16, 4, 5), DecodeConfig(2, 32, 8, 3)],
+    [DecodeConfig(1, 16, 4, 2), DecodeConfig(2, 16, 4, 5), DecodeConfig(2, 32, 8, 3),
+     DecodeConfig(1, 32, 4, 5), DecodeConfig(2, 32, 4, 4)],
 )
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_launch_configs_agree(config, num_splits, device, paged_kv, close):
@@ -115,6 +116,34 @@ def test_heads_per_program_fills_a_256_wide_row():
     assert heads_per_program(3, 64) == 1  # must divide the kv heads
     assert heads_per_program(1, 256) == 1
     assert decode_config(2, 128, torch.bfloat16) == DecodeConfig(2, 32, 4, 5)
+
+
+def test_decode_config_by_programs_per_sm():
+    """Two 128-dim kv heads a program: the batch picks the pipeline (a CPU counts the H200's 132
+    SMs); other shapes keep the one config, whatever the batch."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    assert decode_config(4, 128, bf16, 256, cpu) == DecodeConfig(2, 32, 4, 4)  # 512 programs
+    assert decode_config(8, 128, bf16, 67, cpu) == DecodeConfig(2, 32, 4, 4)  # 268
+    assert decode_config(2, 128, bf16, 256, cpu) == DecodeConfig(1, 32, 4, 5)  # 256: one head each
+    assert decode_config(4, 128, bf16, 67, cpu) == DecodeConfig(1, 32, 4, 5)  # 134
+    assert decode_config(2, 128, bf16, 132, cpu) == DecodeConfig(2, 32, 4, 5)  # 132: splits fill
+    assert decode_config(2, 128, bf16, 1, cpu) == decode_config(2, 128, bf16)
+    for shape, dtype in [((3, 64), bf16), ((8, 64), bf16), ((4, 128), torch.float32)]:
+        assert decode_config(*shape, dtype, 256, cpu) == decode_config(*shape, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_heads,group,batch", [(4, 7, 160), (2, 6, 160), (8, 4, 70)])
+def test_decode_batch_sized_configs_gpu(num_kv_heads, group, batch, paged_kv, close):
+    """The configs large batches get (four stages; one kv head a program), through the default
+    launch, in bf16 with random lengths, against the reference."""
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = torch.randint(1, 700, (batch,), generator=gen).tolist()
+    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
+        seq_lens, num_kv_heads, group, 128, 16, torch.bfloat16, "cuda", paged_kv
+    )
+    out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 128**-0.5)
+    close(out, reference(q, k_cache, v_cache, seq_lens, block_tables, 128**-0.5))
 
 
 def test_default_num_splits_depends_on_shapes_only():
@@ -243,14 +272,19 @@ def test_fused_rotary_store_decode_equals_two_kernels(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_kv_heads,group", [(2, 6), (4, 7)])
-def test_fused_rotary_store_decode_bf16_in_a_cuda_graph(num_kv_heads, group, paged_kv):
+@pytest.mark.parametrize("num_kv_heads,group,batch", [(2, 6, 8), (4, 7, 8), (4, 7, 160), (2, 6, 160),
+                                                      (8, 4, 70)])
+def test_fused_rotary_store_decode_bf16_in_a_cuda_graph(num_kv_heads, group, batch, paged_kv):
     """bf16 on the GPU, captured once and replayed: bit for bit the two-kernel path (the cache
-    write is read back by the program that made it: the barrier must order it)."""
+    write is read back by the program that made it: the barrier must order it). Batches past
+    one program per SM take the batch-sized configs (`decode_config`)."""
     from tandem.kernels.decode_attention import rotary_store_decode_attention
 
-    c = fused_case([1, 15, 16, 17, 384, 1000, 0, 3], num_kv_heads, group, 128, 16,
-                   torch.bfloat16, "cuda", paged_kv)
+    seq_lens = [1, 15, 16, 17, 384, 1000, 0, 3]
+    if batch > len(seq_lens):
+        gen = torch.Generator().manual_seed(4)
+        seq_lens += torch.randint(1, 1100, (batch - len(seq_lens),), generator=gen).tolist()
+    c = fused_case(seq_lens, num_kv_heads, group, 128, 16, torch.bfloat16, "cuda", paged_kv)
     want, want_k, want_v = two_kernel_path(c, None)
     rotary_store_decode_attention(**c)  # compile outside capture
     torch.cuda.synchronize()
@@ -262,3 +296,36 @@ def test_fused_rotary_store_decode_bf16_in_a_cuda_graph(num_kv_heads, group, pag
     assert torch.equal(out, want)
     assert torch.equal(c["k_cache"].nan_to_num(7.0), want_k.nan_to_num(7.0))
     assert torch.equal(c["v_cache"].nan_to_num(7.0), want_v.nan_to_num(7.0))
+
+
+def test_batch_invariant_decode_keeps_one_config_at_every_batch(device, paged_kv, monkeypatch):
+    """Batch-invariant mode's per-query attention launches the batch-free config even where a
+    batch that large gets another (two 128-dim kv heads, 134 rows: past one program per SM), and
+    a sequence's output is the same bits alone and among the 134."""
+    from tandem.forward_context import AttentionMetadata
+    from tandem.layers import triton_attention
+
+    seen = []
+
+    def spy(*args, config=None, **kwargs):
+        seen.append(config)
+        return decode_attention(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "decode_attention", spy)
+    seq_lens = [3 + i % 5 for i in range(134)]
+    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
+        seq_lens, 2, 6, 128, 16, torch.float16, device, paged_kv
+    )
+
+    def step(n):
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+            seq_lens=seq_lens_t[:n], block_tables=block_tables[:n], max_query_len=1,
+            max_seq_len=max(seq_lens[:n]), decode_only=True, query_start_loc_cpu=[], seq_lens_cpu=[])
+        return triton_attention.per_query_decode_attention(q[:n], k_cache, v_cache, meta, 0.1)
+
+    full, alone = step(134), step(1)
+    assert decode_config(2, 128, torch.float16, 134, torch.device(device)) != decode_config(2, 128, torch.float16)
+    assert seen == [decode_config(2, 128, torch.float16)] * 2
+    assert torch.equal(full[:1], alone)
