@@ -381,7 +381,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup_kernels(self, max_model_len: int) -> float:
-        """Compile, before serving, every Triton variant an eager step can reach.
+        """Compile, before serving, every Triton variant an eager step can reach, and load the
+        cuBLAS kernels of the LM head for every number of sampled rows.
 
         Graph capture compiles the decode path. What it leaves is shape-dependent: prefill
         attention's tile (by the longest query in the step), the sampler (greedy or sampling,
@@ -413,7 +414,14 @@ class ModelRunner:
             ids = torch.zeros(q_len, dtype=torch.int64, device=dev)
             with set_attention_metadata(meta):
                 hidden = self.model(ids, torch.arange(q_len, device=dev))
-        logits = self.model.compute_logits(hidden[-1:].expand(2, -1).contiguous())
+        # The LM head runs eagerly on the rows a step samples (after a decode graph's replay, or
+        # on a mixed step's last tokens), and cuBLAS picks its kernel by their count. The first
+        # launch of a kernel loads its module and waits for the device: gen-7b's first mixed
+        # step of 191 rows stalled 0.33 s on it, a full prefill chunk. Every count, once, here.
+        rows = hidden[-1:].expand(self.config.max_num_seqs, -1).contiguous()
+        for n in range(1, self.config.max_num_seqs + 1):
+            self.model.compute_logits(rows[:n])
+        logits = self.model.compute_logits(rows[:2])
         temperature = torch.ones(2, dtype=torch.float32, device=dev)
         processed = self.config.logprobs_mode == "processed_logprobs"
         words = -(-logits.shape[1] // 32)  # the grammar mask (llguidance's and token automata's)
