@@ -28,6 +28,7 @@ class ModelShape:
     params: int  # counted once when embeddings are tied
     weight_bytes: int
     kv_bytes_per_token: int  # all layers, K and V
+    embedding_params: int = 0  # the embedding and (untied) LM head: a prompt token runs neither as a GEMM
 
     @classmethod
     def from_hf_config(cls, cfg, dtype_bytes: int = 2) -> "ModelShape":
@@ -45,7 +46,8 @@ class ModelShape:
         per_layer = attn + mlp + 2 * h
         tied = getattr(cfg, "tie_word_embeddings", False)
         params = layers * per_layer + vocab * h * (1 if tied else 2) + h
-        return cls(params, params * dtype_bytes, 2 * layers * kv * hd * dtype_bytes)
+        return cls(params, params * dtype_bytes, 2 * layers * kv * hd * dtype_bytes,
+                   vocab * h * (1 if tied else 2))
 
 
 def decode_step_seconds(
@@ -59,6 +61,12 @@ def decode_step_seconds(
     memory = (shape.weight_bytes + shape.kv_bytes_per_token * context_tokens) / hbm
     compute = 2 * shape.params * batch / flops
     return max(memory, compute)
+
+
+def prefill_floor_seconds(shape: ModelShape, prompt_tokens: int, flops: float = H200_BF16_FLOPS) -> float:
+    """Lower bound of computing `prompt_tokens` prompt tokens: their GEMMs' FLOPs at peak (the
+    causal attention's and the LM head's on a prompt's last token left out, so a true floor)."""
+    return 2 * (shape.params - shape.embedding_params) * prompt_tokens / flops
 
 
 def ceiling_tokens_per_s(

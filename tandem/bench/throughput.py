@@ -18,7 +18,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tandem.bench.roofline import ModelShape, ceiling_tokens_per_s, device_ceilings
+from tandem.bench.roofline import (
+    ModelShape,
+    ceiling_tokens_per_s,
+    device_ceilings,
+    prefill_floor_seconds,
+)
 
 WORKLOADS = {  # docs/benchmarks.md
     "gen-1.5b": dict(model="qwen2.5-1.5b", num_prompts=256, input_len=128, output_len=256),
@@ -233,6 +238,22 @@ def run_tandem(
     return fig, llm
 
 
+def phases(fig: dict, prefill_floor_s: float | None) -> dict:
+    """Where the timed run went: steps that carry prompt tokens (prefill chunks, with any decode
+    rows mixed in) against decode-only steps, each as seconds and share of the run; the prefill
+    steps also against their GEMMs' compute floor (`prefill_floor_seconds`), which the decode
+    roofline leaves out. Seconds are the engine loop's per step (scheduling to booking)."""
+    out = {}
+    for name, st in fig["step_stats"].items():
+        out[name] = {"steps": st["steps"], "seconds": st["seconds"],
+                     "share_of_run": st["seconds"] / fig["elapsed_s"]}
+    prefill = out.get("prefill_or_mixed")
+    if prefill is not None and prefill_floor_s is not None:
+        prefill["compute_floor_s"] = prefill_floor_s
+        prefill["floor_fraction"] = prefill_floor_s / prefill["seconds"] if prefill["seconds"] else None
+    return out
+
+
 def _figures(name, span, prompts, out_tokens, peak) -> dict:
     in_tokens = sum(map(len, prompts))
     elapsed = span[1] - span[0]
@@ -319,6 +340,13 @@ def run(cfg: ThroughputConfig) -> dict:
     for r in results.values():
         r["roofline_tokens_per_s"] = ceiling
         r["roofline_fraction"] = r["output_tokens_per_s"] / ceiling if ceiling else None
+    if "tandem" in results:
+        prefill_floor = None
+        if flops is not None:
+            shape = ModelShape.from_hf_config(source.hf_config)
+            prefill_floor = prefill_floor_seconds(shape, sum(map(len, prompts)),
+                                                  flops * cfg.tensor_parallel_size)
+        results["tandem"]["phases"] = phases(results["tandem"], prefill_floor)
     if "hf" in results and "tandem" in results:
         results["speedup_vs_hf"] = (
             results["tandem"]["output_tokens_per_s"] / results["hf"]["output_tokens_per_s"]
@@ -352,6 +380,19 @@ def _print_table(results: dict, roofline_device: str | None = None) -> None:
         print(line)
     if "speedup_vs_hf" in results:
         print(f"tandem / hf output tokens/s: {results['speedup_vs_hf']:.1f}x")
+    ph = (results.get("tandem") or {}).get("phases")
+    if ph:
+        parts = []
+        for name, label in (("prefill_or_mixed", "steps with prompt tokens"), ("decode", "decode-only steps")):
+            p = ph.get(name)
+            if p is None:
+                continue
+            part = f"{label} {p['steps']} x, {p['seconds']:.3f} s ({100 * p['share_of_run']:.0f}% of the run"
+            if p.get("floor_fraction") is not None:
+                part += (f"; their GEMMs' compute floor {p['compute_floor_s']:.3f} s, "
+                         f"{100 * p['floor_fraction']:.0f}% of their time")
+            parts.append(part + ")")
+        print("tandem phases: " + "; ".join(parts))
     if roof:
         print(f"roofline: the decode ceiling of {roofline_device} (docs/benchmarks.md)")
     else:

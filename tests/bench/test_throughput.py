@@ -58,3 +58,53 @@ def test_no_roofline_without_known_ceilings(capsys):
     _print_table({"tandem": row})
     out = capsys.readouterr().out
     assert "roofline" not in out.splitlines()[0] and "no roofline" in out
+
+
+def test_prefill_floor_counts_the_prompt_tokens_gemms_only():
+    from transformers import Qwen2Config
+
+    from tandem.bench.roofline import ModelShape, prefill_floor_seconds
+    from tandem.models.presets import preset_config
+
+    cfg = preset_config("qwen2.5-1.5b")
+    shape = ModelShape.from_hf_config(cfg)
+    assert cfg.tie_word_embeddings and shape.embedding_params == cfg.vocab_size * cfg.hidden_size
+    body = shape.params - shape.embedding_params  # 28 layers of 1.5B: about 1.31e9
+    assert 1.30e9 < body < 1.32e9
+    assert prefill_floor_seconds(shape, 1000, flops=2e12) == body * 1000 * 2 / 2e12
+    untied = ModelShape.from_hf_config(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   num_attention_heads=4, vocab_size=100,
+                                                   tie_word_embeddings=False))
+    assert untied.embedding_params == 2 * 100 * 64
+
+
+def test_phases_split_the_run_and_print_against_the_prefill_floor(capsys):
+    from tandem.bench.throughput import _print_table, phases
+
+    fig = {"elapsed_s": 1.0, "output_tokens_per_s": 100.0, "total_tokens_per_s": 150.0,
+           "requests_per_s": 1.0, "peak_memory_gb": None, "roofline_fraction": 0.3, "gpu": None,
+           "step_stats": {"decode": {"steps": 255, "seconds": 0.72, "ms_per_step": 2.8},
+                          "prefill_or_mixed": {"steps": 5, "seconds": 0.16, "ms_per_step": 32.0}}}
+    fig["phases"] = phases(fig, prefill_floor_s=0.112)
+    assert fig["phases"]["decode"] == {"steps": 255, "seconds": 0.72, "share_of_run": 0.72}
+    assert fig["phases"]["prefill_or_mixed"]["floor_fraction"] == 0.112 / 0.16
+    assert "floor_fraction" not in phases(fig, None)["prefill_or_mixed"]
+    _print_table({"tandem": fig}, "a test device")
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("tandem phases"))
+    assert line == ("tandem phases: steps with prompt tokens 5 x, 0.160 s (16% of the run; their GEMMs' "
+                    "compute floor 0.112 s, 70% of their time); decode-only steps 255 x, 0.720 s "
+                    "(72% of the run)")
+
+
+def test_run_reports_phases_against_given_ceilings(capsys):
+    """The whole command on a CPU, ceilings given: the report's phases cover the timed run."""
+    from tandem.bench.throughput import run
+
+    cfg = ThroughputConfig(model=None, num_prompts=2, input_len=8, output_len=3, dtype="float32",
+                           hbm_bytes_per_s=1e12, peak_flops=1e14, progress=False)
+    report = run(cfg)
+    ph = report["results"]["tandem"]["phases"]
+    assert ph["prefill_or_mixed"]["steps"] >= 1 and ph["decode"]["steps"] >= 1
+    assert 0 < ph["prefill_or_mixed"]["compute_floor_s"] < ph["prefill_or_mixed"]["seconds"]
+    assert sum(p["share_of_run"] for p in ph.values()) <= 1.0
+    assert "tandem phases: steps with prompt tokens" in capsys.readouterr().out
