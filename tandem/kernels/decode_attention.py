@@ -243,8 +243,8 @@ def decode_config(
     rows, 160-1536 keys, equal and random lengths; 2026-12-02):
 
     - more than two programs per SM: four stages (42 KB of shared memory a program against 75 KB
-      at five): 1.27-1.36x with equal lengths at 512 programs (Qwen2.5-7B, 256 rows), 0.95-1.17x
-      with random ones (the slower at 1536 keys); 1.06-1.12x at 1024;
+      at five): 1.27-1.36x with equal lengths at 512 programs (Qwen2.5-7B, 256 rows), 1.06-1.12x
+      at 1024; 0.95-1.16x with random lengths (the slower at 1536 keys);
     - one to two per SM: one kv head per program, twice the programs (38 KB each): 0.98-1.24x;
     - fewer: the config above, whose splits of the keys (`default_num_splits`) fill the SMs
       (one kv head a program there was 0.88x at 1536 random keys, 1.35x at 160).
