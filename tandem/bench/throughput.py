@@ -327,8 +327,8 @@ def run(cfg: ThroughputConfig) -> dict:
         r["gpu"] = mon.summary(window=tuple(r["timed_span"])) if mon.available else None
     hbm, flops, device_name = device_ceilings(cfg.hbm_bytes_per_s, cfg.peak_flops)
     ceiling = None
+    shape = ModelShape.from_hf_config(source.hf_config)
     if hbm is not None and flops is not None:
-        shape = ModelShape.from_hf_config(source.hf_config)
         ceiling = ceiling_tokens_per_s(
             shape,
             [len(p) for p in prompts],
@@ -343,7 +343,6 @@ def run(cfg: ThroughputConfig) -> dict:
     if "tandem" in results:
         prefill_floor = None
         if flops is not None:
-            shape = ModelShape.from_hf_config(source.hf_config)
             prefill_floor = prefill_floor_seconds(shape, sum(map(len, prompts)),
                                                   flops * cfg.tensor_parallel_size)
         results["tandem"]["phases"] = phases(results["tandem"], prefill_floor)

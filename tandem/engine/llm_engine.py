@@ -15,7 +15,7 @@ from tandem.engine.block_manager import BlockManager
 from tandem.engine.output_processor import OUTPUT_KINDS, OutputProcessor, RequestState
 from tandem.engine.scheduler import Scheduler, SchedulerOutput
 from tandem.engine.sequence import Sequence
-from tandem.engine.stop_checker import window_tokens_kept
+from tandem.engine.stop_checker import check_stop, window_tokens_kept
 from tandem.engine.structured_output import StructuredOutputManager, check_grammar
 from tandem.engine.worker import Worker
 from tandem.weights.check import TensorSpec, specs_of
@@ -350,30 +350,18 @@ class LLMEngine:
         # the rows sampled, in order (every sequence's in a decode step)
         seqs = sched.seqs if all(sched.sampling) else [s for s, smp in zip(sched.seqs, sched.sampling) if smp]
         filled = 0
-        monotonic, interval = time.monotonic, outputs.stream_interval
+        interval = outputs.stream_interval
         for row, seq in enumerate(seqs):
             if not seq.num_placeholders:
                 continue  # finished or aborted meanwhile: this row was computed for nothing
+            seq.fill_placeholder(token_ids[row], logprobs[row])
             filled += 1
             state = requests[seq.request_id]
             if not seq.has_token_hooks:
-                # Most rows: Sequence.fill_placeholder, stop_checker.check_stop and
-                # OutputProcessor.output_due inlined. Three calls a row of every step were a sixth
-                # of the host's time per token in steady decode; test_postprocess_fast_path holds
-                # this path to the general one's outputs.
-                token, lp = token_ids[row], logprobs[row]
-                ids = seq.token_ids
-                ids.append(token)
-                seq.num_placeholders -= 1
-                seq.output_logprobs.append(lp)
-                seq.cumulative_logprob += lp
-                if seq.first_token_time is None:
-                    seq.first_token_time = monotonic()
-                stop = None
-                if token in seq.stop_ids and len(ids) - seq.num_prompt_tokens >= seq.sampling_params.min_tokens:
-                    stop = ("stop", None if token in seq.eos_ids else token)
-                elif len(ids) >= seq.max_num_tokens:
-                    stop = ("length", None)
+                # Most rows: no logprobs, stop strings or grammar. OutputProcessor.output_due's
+                # streaming rule is inlined (its call a row of every step cost ~3% of the engine
+                # core's CPU a token); test_postprocess_fast_path holds this path to the general one.
+                stop = check_stop(seq)
                 if stop is not None:
                     self.scheduler.finish(seq, stop[0], stop[1])
                     touched[seq.request_id] = state  # a finished sample is always due
@@ -382,7 +370,6 @@ class LLMEngine:
                     if sent == 0 or seq.num_tokens - seq.num_prompt_tokens - sent >= interval:
                         touched[seq.request_id] = state
                 continue
-            seq.fill_placeholder(token_ids[row], logprobs[row])
             if seq.sampling_params.logprobs is not None:
                 outputs.record_logprobs(seq, row, ranks, topk_ids, topk_lps)
             stop = outputs.check_stop(state, seq)

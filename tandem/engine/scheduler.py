@@ -91,9 +91,6 @@ class Scheduler:
         # when a block is needed)
         running = self.running
         block_size = bm.block_size
-        # out.add, inlined: a running sequence's chunk runs to its last token unless the budget
-        # cut it short, and then it samples nothing
-        out_seqs, out_new, out_sampling = out.seqs, out.num_new_tokens, out.sampling
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
@@ -103,18 +100,15 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             num_new = num_tokens - computed
-            samples = True
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     i += 1
                     continue
-                num_new, samples = budget, False
+                num_new = budget
             needs_block = computed + num_new > len(seq.block_table) * block_size
             if needs_block and not self._append_or_preempt(seq, num_new, out):
                 break  # the sequence itself was preempted: nothing after it fits either
-            out_seqs.append(seq)
-            out_new.append(num_new)
-            out_sampling.append(samples)
+            out.add(seq, num_new)
             budget -= num_new
             i += 1
 
@@ -235,16 +229,13 @@ class Scheduler:
         running = SequenceStatus.RUNNING
         row = 0
         extra = out.num_steps - 1  # a window's later steps compute the tokens its earlier ones sample
-        num_steps = out.num_steps
         for seq, n, samples in zip(out.seqs, out.num_new_tokens, out.sampling):
             if seq.status is running:
-                computed = seq.num_computed_tokens = seq.num_computed_tokens + n + extra
-                if computed >= (seq.num_registered_blocks + 1) * block_size:
+                seq.num_computed_tokens += n + extra
+                if seq.num_computed_tokens >= (seq.num_registered_blocks + 1) * block_size:
                     bm.cache_full_blocks(seq)  # (a block may have filled up: not every step)
-                if samples:  # seq.append_placeholder(row, num_steps), inlined (every row, every step)
-                    seq.num_placeholders += num_steps
-                    seq.num_tokens += num_steps
-                    seq.pending_row = row
+                if samples:
+                    seq.append_placeholder(row, out.num_steps)
             row += samples
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
