@@ -10,6 +10,7 @@ one message, whose outputs are dropped into the requests' streams with one
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import itertools
 import threading
@@ -30,6 +31,7 @@ from tandem.engine.core import (
     EngineUnavailable,
 )
 from tandem.engine.core_client import ENGINE_MODES, EngineCoreConns, MPClient, make_client
+from tandem.engine.detokenizer import DeltaText
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.engine.metrics import EngineStats, ServerMetrics
 from tandem.engine.request_stream import RequestStream
@@ -66,7 +68,8 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.metrics = ServerMetrics()
         self.stats = EngineStats()
-        self._live: dict[str, tuple[RequestStream, int]] = {}  # request id -> its stream
+        # request id -> its stream, its index there, and its text when it is made here (DeltaText)
+        self._live: dict[str, tuple[RequestStream, int, DeltaText | None]] = {}
         self._calls: dict[int, tuple[asyncio.Future, asyncio.AbstractEventLoop]] = {}
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # orders registrations against the core's exit
@@ -91,6 +94,9 @@ class AsyncLLM:
         # thread of their own, so the event loop answers everyone else meanwhile (one thread:
         # an HF tokenizer is not safe to use from several at once).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+        # Streamed text is made here, from the deltas' token ids, on the thread that reads the
+        # engine's outputs (`_makes_text`): its own copy of the tokenizer, for the same reason.
+        self._text_tokenizer = copy.deepcopy(info.tokenizer) if info.tokenizer is not None else None
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         # what LLMEngine.validate_request reads: its limits, not its state
         self._limits = SimpleNamespace(
@@ -144,14 +150,20 @@ class AsyncLLM:
                     f"{self.max_waiting_requests}); retry later"
                 )
         stream = RequestStream(self, requests, output_kind)
+        adds, texts = [], []
+        for rid, prompt, params in requests:
+            text = None
+            if self._text_tokenizer is not None and _makes_text(params, output_kind):
+                text = DeltaText(self._text_tokenizer, params.skip_special_tokens)
+                params = params.clone(detokenize=False)  # the engine sends token ids only
+            adds.append((ADD, rid, prompt, params, output_kind))
+            texts.append(text)
         with self._lock:
             if self._error is not None:
                 raise self._error
             for i, (rid, _, _) in enumerate(requests):
-                self._live[rid] = (stream, i)
-            self.engine_core.send(
-                [(ADD, rid, prompt, params, output_kind) for rid, prompt, params in requests]
-            )
+                self._live[rid] = (stream, i, texts[i])
+            self.engine_core.send(adds)
         self._num_submitted += num_seqs
         return stream
 
@@ -228,7 +240,10 @@ class AsyncLLM:
         for out in msg.outputs:
             entry = live.pop(out.request_id, None) if out.finished else live.get(out.request_id)
             if entry is not None:
-                by_loop[entry[0].loop].append((entry[0], entry[1], out))
+                stream, i, text = entry
+                if text is not None:
+                    text.fill(out)
+                by_loop[stream.loop].append((stream, i, out))
         for rid, error in msg.failed:
             entry = live.pop(rid, None)
             if entry is not None:
@@ -268,9 +283,19 @@ def _max_prompt_chars(tokenizer, max_model_len: int) -> int | None:
     return max_model_len * max(longest, 1)
 
 
+def _makes_text(params: SamplingParams, output_kind: str) -> bool:
+    """Whether a request's text is made in this process from its deltas' token ids rather than
+    in the engine (vLLM V1 detokenizes in its frontend): streamed deltas, unless the engine
+    needs the text itself (stop strings are matched there) or sends text with the tokens
+    (logprobs' decoded tokens). Detokenizing is the largest part of the engine loop's Python
+    for a streamed token, and that loop paces the device when the host is slow."""
+    return (output_kind == "delta" and params.detokenize and not params.stop_strings
+            and params.logprobs is None and params.prompt_logprobs is None)
+
+
 def _fail_streams(entries, error: BaseException) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-    for stream, i in entries:
+    for stream, i, _ in entries:
         by_loop[stream.loop].append((stream, i, error))
     for loop, items in by_loop.items():
         _put_all(loop, items)

@@ -73,3 +73,29 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+class DeltaText:
+    """The text of one request's streamed deltas, made where they are read (the API process, as
+    vLLM V1's frontend does) from their token ids: an IncrementalDetokenizer a sample, started
+    with its first delta (the prompt's last tokens give the context). Fed the same token chunks
+    as the engine's own detokenizer would be (a delta's tokens are those since the last one), it
+    gives the same text."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.samples: dict[int, IncrementalDetokenizer] = {}
+
+    def fill(self, out) -> None:
+        """Set the text of each completion of `out` (a delta RequestOutput, text left empty)."""
+        for c in out.outputs:
+            det = self.samples.get(c.index)
+            if det is None:
+                det = self.samples[c.index] = IncrementalDetokenizer(
+                    self.tokenizer, out.prompt_token_ids, self.skip_special_tokens)
+            start = len(det.text)
+            det.add_many(c.token_ids)
+            if c.finish_reason is not None:
+                det.flush()
+            c.text = det.text[start:]

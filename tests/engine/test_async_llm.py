@@ -150,3 +150,60 @@ def test_shutdown_leaves_nobody_waiting(tiny_llama_dir, mode):
         assert not llm.engine_core.engine.has_unfinished_requests()
     else:
         assert llm.engine_core.proc.exitcode == 0  # it stopped when told, not killed
+
+
+def _record_detokenize(engine) -> None:
+    """The engine records the `detokenize` of every request it is given."""
+    real, engine.seen_detokenize = engine.add_request, {}
+
+    def add_request(rid, prompt, params, *args, **kwargs):
+        engine.seen_detokenize[rid] = params.detokenize
+        return real(rid, prompt, params, *args, **kwargs)
+
+    engine.add_request = add_request
+
+
+def _seen_detokenize(engine, rid: str) -> bool:
+    return engine.seen_detokenize[rid]
+
+
+def test_streamed_text_is_made_here_as_the_engine_would(llm):
+    """Streamed deltas carry token ids from the engine and get their text in this process
+    (DeltaText); requests whose text the engine needs or sends keep the engine's. Sampled text
+    (random tokens: split multi-byte characters, special tokens), two samples a request, each
+    sample's text the same both ways; a stop string still stops the text where it is."""
+
+    async def texts(rid, params):
+        got: dict[int, list] = {}
+        async for out in llm.generate(rid, {"prompt_token_ids": [5, 6, 7, 8]}, params):
+            for c in out.outputs:
+                acc = got.setdefault(c.index, ["", []])
+                acc[0] += c.text
+                acc[1] += c.token_ids
+        return got, await llm.call(_seen_detokenize, rid)
+
+    asyncio.run(llm.call(_record_detokenize))
+    for seed in range(3):
+        base = SamplingParams(temperature=1.0, seed=seed, n=2, max_tokens=40, ignore_eos=True)
+        here, engine_detokenized = asyncio.run(texts(f"here{seed}", base))
+        assert engine_detokenized is False  # the engine sent token ids only
+        there, engine_detokenized = asyncio.run(texts(f"there{seed}", base.clone(logprobs=0)))
+        assert engine_detokenized is True  # logprobs' decoded tokens: the engine's text
+        assert here == there and all(t for t, _ in here.values())
+    skip = SamplingParams(temperature=1.0, seed=0, max_tokens=40, ignore_eos=True, skip_special_tokens=False)
+    here, _ = asyncio.run(texts("skip_here", skip))
+    there, _ = asyncio.run(texts("skip_there", skip.clone(logprobs=0)))
+    assert here == there
+    first = here[0][0][:3]
+    stopped, engine_detokenized = asyncio.run(texts("stopped", base.clone(n=1, seed=0, stop=[first[1:]])))
+    assert engine_detokenized is True and stopped[0][0] == first[:1]
+
+
+def test_makes_text_rules():
+    from tandem.engine.async_llm import _makes_text
+
+    p = SamplingParams(max_tokens=4)
+    assert _makes_text(p, "delta")
+    assert not _makes_text(p, "final_only") and not _makes_text(p, "cumulative")
+    for changed in ({"stop": ["x"]}, {"logprobs": 0}, {"prompt_logprobs": 1}, {"detokenize": False}):
+        assert not _makes_text(p.clone(**changed), "delta"), changed

@@ -64,3 +64,48 @@ def test_batch_decode_gives_the_tokenizers_own_texts(tok, skip_special_tokens):
             rows, skip_special_tokens=skip_special_tokens)
     finally:
         tok.clean_up_tokenization_spaces = False
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer: decoding drops the leading space of its first word."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "s": 3, "▁a": 4, "b": 5}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("metaspace", [False, True])
+def test_delta_text_gives_the_engines_text(tok, metaspace):
+    """DeltaText, fed a request's deltas (token ids, text left empty), gives each delta the text
+    the engine's detokenizer gives it (prompt context, chunks, held-back bytes, the flush at the
+    end), per sample. With a SentencePiece-style decoder the first word keeps its leading space,
+    as in the engine."""
+    from tandem.engine.detokenizer import DeltaText
+    from tandem.outputs import CompletionOutput, RequestOutput
+
+    t = _metaspace_tokenizer() if metaspace else tok
+    rng = random.Random(2)
+    prompt = [1, 2, 4] if metaspace else _ids(tok, "Say: ")
+    samples = {i: [rng.randrange(1, len(t)) for _ in range(30)] for i in range(2)}
+    engine = {i: IncrementalDetokenizer(t, prompt) for i in samples}
+    if metaspace:
+        assert t.decode([1]) == "hello" and IncrementalDetokenizer(t, prompt).add(1) == " hello"
+    text = DeltaText(t)
+    pos = {i: 0 for i in samples}
+    while any(pos[i] < len(s) for i, s in samples.items()):
+        outs, want = [], []
+        for i, s in samples.items():
+            if pos[i] == len(s):
+                continue
+            ids = s[pos[i] : pos[i] + rng.randint(1, 5)]
+            pos[i] += len(ids)
+            done = pos[i] == len(s)
+            want.append(engine[i].add_many(ids) + (engine[i].flush() if done else ""))
+            outs.append(CompletionOutput(i, "", ids, None, None, "length" if done else None))
+        out = RequestOutput("r", None, prompt, outs, finished=False)
+        text.fill(out)
+        assert [c.text for c in out.outputs] == want
+    assert all(d.text == engine[i].text for i, d in text.samples.items())
