@@ -62,6 +62,11 @@ class ThroughputConfig:
     num_scheduler_steps: int | None = None  # None: the engine's default (EngineConfig)
     tensor_parallel_size: int = 1
     decode_gemm: str = "cublas"  # EngineConfig.decode_gemm
+    # vLLM's `bench throughput --async-engine`: through AsyncLLM, the engine in a process of its own
+    # as `tandem serve` runs it, each request streaming deltas (`throughput_async.py`)
+    async_engine: bool = False
+    stream_interval: int = 1  # EngineConfig.stream_interval (with async_engine)
+    tokenizer: str | None = None  # EngineConfig.tokenizer: text for random weights (async_engine)
     profile: bool = False  # after the timed run, profile decode steps (torch.profiler)
     hbm_bytes_per_s: float | None = None  # None: the device's, where known (roofline.py)
     peak_flops: float | None = None
@@ -162,15 +167,11 @@ def run_hf(model, prompts: list[list[int]], out_lens: list[int], cfg: Throughput
     return _figures("hf", (t0, t1), prompts, useful, peak)
 
 
-def run_tandem(
-    model_or_name, prompts: list[list[int]], out_lens: list[int], cfg: ThroughputConfig
-) -> tuple[dict, object]:
-    from tandem import LLM, SamplingParams
-
-    max_len = max(len(p) + o for p, o in zip(prompts, out_lens))
-    kwargs = dict(
+def engine_kwargs(cfg: ThroughputConfig, prompts: list[list[int]], out_lens: list[int]) -> dict:
+    """The engine's settings for the timed run, offline or through AsyncLLM."""
+    return dict(
         dtype=cfg.dtype,
-        max_model_len=max_len,
+        max_model_len=max(len(p) + o for p, o in zip(prompts, out_lens)),
         max_num_seqs=cfg.max_num_seqs,
         seed=cfg.seed,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -179,6 +180,14 @@ def run_tandem(
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
         decode_gemm=cfg.decode_gemm,
     )
+
+
+def run_tandem(
+    model_or_name, prompts: list[list[int]], out_lens: list[int], cfg: ThroughputConfig
+) -> tuple[dict, object]:
+    from tandem import LLM, SamplingParams
+
+    kwargs = engine_kwargs(cfg, prompts, out_lens)
     if isinstance(model_or_name, torch.nn.Module):
         llm = LLM(model_or_name, **kwargs)
     else:
@@ -212,16 +221,8 @@ def run_tandem(
     assert produced == sum(out_lens), "ignore_eos requests must produce exactly max_tokens"
     peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else None
     fig = _figures("tandem", (t0, t1), prompts, produced, peak)
-    fig["step_stats"] = {k: {"steps": n, "seconds": sec, "ms_per_step": 1e3 * sec / max(1, n)}
-                         for k, (n, sec) in eng.step_stats.items()}
-    fig["prefix_cache_hit_tokens"] = eng.block_manager.num_prefix_hits - hits_before
-    steps = sum(v["steps"] for v in fig["step_stats"].values())
-    fig["host_waiting_on_device_s"] = eng.device_wait_s
-    print("tandem steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f} ms"
-                                       for k, v in fig["step_stats"].items())
-          + f" (decode windows of {eng.config.num_scheduler_steps})"
-          + f"; the host waited on the device {1e3 * eng.device_wait_s / max(1, steps):.2f} ms/step"
-          f" (near 0: the host is the bottleneck); prefix-cache hits {fig['prefix_cache_hit_tokens']} tokens")
+    add_step_figures(fig, eng.step_stats, eng.device_wait_s,
+                     eng.block_manager.num_prefix_hits - hits_before, eng.config.num_scheduler_steps)
     if cfg.profile:
         from tandem.bench.profile_step import profile_decode
 
@@ -236,6 +237,22 @@ def run_tandem(
         num_scheduler_steps=eng.config.num_scheduler_steps,
     )
     return fig, llm
+
+
+def add_step_figures(fig: dict, step_stats: dict, device_wait_s: float, prefix_hits: int,
+                     num_scheduler_steps: int) -> None:
+    """The timed run's engine steps by kind, the host's wait on the device, prefix-cache hits:
+    into `fig`, and one printed line."""
+    fig["step_stats"] = {k: {"steps": n, "seconds": sec, "ms_per_step": 1e3 * sec / max(1, n)}
+                         for k, (n, sec) in step_stats.items()}
+    fig["prefix_cache_hit_tokens"] = prefix_hits
+    fig["host_waiting_on_device_s"] = device_wait_s
+    steps = sum(v["steps"] for v in fig["step_stats"].values())
+    print("tandem steps: " + ", ".join(f"{k} {v['steps']} x {v['ms_per_step']:.2f} ms"
+                                       for k, v in fig["step_stats"].items())
+          + f" (decode windows of {num_scheduler_steps})"
+          + f"; the host waited on the device {1e3 * device_wait_s / max(1, steps):.2f} ms/step"
+          f" (near 0: the host is the bottleneck); prefix-cache hits {prefix_hits} tokens")
 
 
 def phases(fig: dict, prefill_floor_s: float | None) -> dict:
@@ -297,6 +314,7 @@ def run(cfg: ThroughputConfig) -> dict:
 
     if cfg.workload:
         apply_defaults(cfg, set(), torch.cuda.is_available())
+    check_async_engine(cfg)
     backends = [cfg.backend] + [b for b in cfg.compare if b != cfg.backend]
     for b in backends:
         if b not in ("tandem", "hf"):
@@ -317,7 +335,13 @@ def run(cfg: ThroughputConfig) -> dict:
         llm = None
         if "hf" in backends:
             results["hf"] = run_hf(hf_model, prompts, out_lens, cfg)
-        if "tandem" in backends:
+        if "tandem" in backends and cfg.async_engine:
+            from tandem.bench.throughput_async import run_tandem_async
+
+            hf_model = None  # the engine process loads its own weights: HF's go first
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            results["tandem"] = run_tandem_async(prompts, out_lens, cfg)
+        elif "tandem" in backends:
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
             results["tandem"], llm = run_tandem(
                 hf_model if hf_model is not None else cfg.model, prompts, out_lens, cfg
@@ -357,6 +381,21 @@ def run(cfg: ThroughputConfig) -> dict:
     if llm is not None and llm.tp_workers is not None:
         llm.tp_workers.shutdown()  # after the report: the figures stand whatever teardown does
     return report
+
+
+def check_async_engine(cfg: ThroughputConfig) -> None:
+    """Settings that only the AsyncLLM run reads, or that it cannot take: refused before any work."""
+    if cfg.async_engine:
+        if cfg.profile:
+            raise ValueError("--profile profiles the offline engine in this process; drop --async-engine "
+                             "or --profile")
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("--async-engine runs the engine as `tandem serve` does, on one GPU: "
+                             f"--tensor-parallel-size must be 1, got {cfg.tensor_parallel_size}")
+        return
+    if cfg.stream_interval != 1 or cfg.tokenizer is not None:
+        raise ValueError("--stream-interval and --tokenizer apply to --async-engine only (the offline "
+                         "run returns token ids): add --async-engine or drop them")
 
 
 def _print_table(results: dict, roofline_device: str | None = None) -> None:
@@ -454,6 +493,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--decode-gemm", default=d.decode_gemm,
                    help="cublas | triton | a table .json (python -m tandem.bench.gemm --table-out)")
     p.add_argument("--profile", action="store_true", help="profile decode steps after the timed run")
+    p.add_argument("--async-engine", action="store_true",
+                   help="run tandem through AsyncLLM, the engine in a process of its own as `tandem "
+                   "serve` runs it, each request streaming its outputs, without HTTP (vLLM's flag)")
+    p.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                   help="with --async-engine: a request's output every N tokens, as `tandem serve "
+                   "--stream-interval`")
+    p.add_argument("--tokenizer", default=d.tokenizer,
+                   help="with --async-engine: a tokenizer dir for the streamed text (random weights "
+                   "have none: without one the outputs carry token ids only)")
     p.add_argument("--hbm-bytes-per-s", type=float, default=None,
                    help="memory bandwidth for the roofline (default: the device's where known: H200)")
     p.add_argument("--peak-flops", type=float, default=None,

@@ -1,6 +1,9 @@
 """`tandem bench throughput`'s tandem run on a CPU: every token counted, and the timed run pays
 for its own prefill (its warm-up ran the same prompts, whose cached prefixes must not carry over)."""
 
+import dataclasses
+
+import pytest
 import torch
 from model_fixtures import make_tiny_model
 
@@ -108,3 +111,34 @@ def test_run_reports_phases_against_given_ceilings(capsys):
     assert 0 < ph["prefill_or_mixed"]["compute_floor_s"] < ph["prefill_or_mixed"]["seconds"]
     assert sum(p["share_of_run"] for p in ph.values()) <= 1.0
     assert "tandem phases: steps with prompt tokens" in capsys.readouterr().out
+
+
+def test_async_engine_times_the_same_requests_through_the_serving_engine(capsys, tiny_llama_dir):
+    """--async-engine: the engine in its own process, every request streamed in deltas with its
+    text made here; the same figures as the offline run (every output token, the engine's steps)."""
+    from tandem.bench.throughput import run
+
+    cfg = ThroughputConfig(model=tiny_llama_dir, num_prompts=6, input_len=8, output_len=(3, 9),
+                           dtype="float32", max_num_seqs=4, async_engine=True, stream_interval=2,
+                           tokenizer=tiny_llama_dir, hbm_bytes_per_s=1e12, peak_flops=1e14, progress=False)
+    report = run(cfg)
+    fig = report["results"]["tandem"]
+    out = capsys.readouterr().out
+    assert "tandem steps: " in out and "tandem phases: " in out
+    assert fig["async_engine"] and fig["stream_interval"] == 2
+    assert fig["step_stats"]["decode"]["steps"] >= 1 and fig["step_stats"]["prefill_or_mixed"]["steps"] >= 1
+    assert fig["prefix_cache_hit_tokens"] == 0  # the warm-up's prefixes were forgotten
+    offline = run(dataclasses.replace(cfg, async_engine=False, stream_interval=1, tokenizer=None))
+    assert fig["output_tokens"] == offline["results"]["tandem"]["output_tokens"]  # the same requests
+    assert fig["input_tokens"] == offline["results"]["tandem"]["input_tokens"]
+
+
+@pytest.mark.parametrize("changes, field", [({"async_engine": True, "profile": True}, "--profile"),
+                                            ({"async_engine": True, "tensor_parallel_size": 2}, "--tensor-parallel-size"),
+                                            ({"stream_interval": 4}, "--stream-interval"),
+                                            ({"tokenizer": "tok"}, "--tokenizer")])
+def test_async_engine_settings_are_checked_first(changes, field):
+    from tandem.bench.throughput import check_async_engine
+
+    with pytest.raises(ValueError, match=field):
+        check_async_engine(ThroughputConfig(**changes))
