@@ -20,12 +20,14 @@ from tandem.sampling_params import SamplingParams
 
 
 # Run in the engine process (module level: they travel by pickle).
-def _start_timing(engine) -> None:
-    """Forget the warm-up's prefixes (the timed run sends the same prompts) and peak memory."""
+def _start_timing(engine) -> dict:
+    """Forget the warm-up's prefixes (the timed run sends the same prompts) and peak memory;
+    the engine's figures to count from."""
     engine.reset_prefix_cache()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
         torch.cuda.reset_peak_memory_stats(engine.device)
+    return _engine_figures(engine)
 
 
 def _engine_figures(engine) -> dict:
@@ -77,8 +79,7 @@ async def _timed(llm: AsyncLLM, prompts, out_lens, cfg):
     # a full first wave at 2 tokens compiles every kernel variant the timed run will launch
     warm = SamplingParams(temperature=cfg.temperature, max_tokens=2, ignore_eos=True)
     await asyncio.gather(*(one(f"warm-{i}", p, warm) for i, p in enumerate(prompts[: cfg.max_num_seqs])))
-    await llm.call(_start_timing)
-    before = await llm.call(_engine_figures)
+    before = await llm.call(_start_timing)
     t0 = time.perf_counter()
     produced = await asyncio.gather(*(
         one(f"timed-{i}", p, SamplingParams(temperature=cfg.temperature, max_tokens=o, ignore_eos=True))

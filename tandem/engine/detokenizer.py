@@ -94,8 +94,4 @@ class DeltaText:
             if det is None:
                 det = self.samples[c.index] = IncrementalDetokenizer(
                     self.tokenizer, out.prompt_token_ids, self.skip_special_tokens)
-            start = len(det.text)
-            det.add_many(c.token_ids)
-            if c.finish_reason is not None:
-                det.flush()
-            c.text = det.text[start:]
+            c.text = det.add_many(c.token_ids) + (det.flush() if c.finish_reason is not None else "")
