@@ -34,6 +34,7 @@ from tandem.engine.core_client import ENGINE_MODES, EngineCoreConns, MPClient, m
 from tandem.engine.detokenizer import DeltaText
 from tandem.engine.llm_engine import LLMEngine, PromptType
 from tandem.engine.metrics import EngineStats, ServerMetrics
+from tandem.engine.microbatch_tokenizer import MicrobatchTokenizer
 from tandem.engine.request_stream import RequestStream
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -94,6 +95,9 @@ class AsyncLLM:
         # thread of their own, so the event loop answers everyone else meanwhile (one thread:
         # an HF tokenizer is not safe to use from several at once).
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tandem-tokenizer")
+        # prompts are encoded there in batches: what arrives during one batch makes the next
+        self._encoder = (MicrobatchTokenizer(info.tokenizer, self._tokenizer_thread)
+                         if info.tokenizer is not None else None)
         # Streamed text is made here, from the deltas' token ids, on the thread that reads the
         # engine's outputs (`_makes_text`): its own copy of the tokenizer, for the same reason.
         self._text_tokenizer = copy.deepcopy(info.tokenizer) if info.tokenizer is not None else None
@@ -208,6 +212,13 @@ class AsyncLLM:
         its result travel by pickle: a module-level function, a picklable result."""
         return await self.call_utility("call", fn, *args)
 
+    async def encode(self, text: str, **kwargs: Any) -> list[int]:
+        """`tokenizer.encode(text, **kwargs)` in the tokenizer's thread, batched with the texts
+        that wait beside it (`MicrobatchTokenizer`)."""
+        if self._encoder is None:
+            raise ValueError("this model has no tokenizer: send token ids")
+        return await self._encoder.encode(text, **kwargs)
+
     async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` (tokenizer work) in the tokenizer's thread."""
         loop = asyncio.get_running_loop()
@@ -229,6 +240,8 @@ class AsyncLLM:
         """Abort what is in flight and stop the engine core."""
         self._stopping = True
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        if self._encoder is not None:
+            self._encoder.close(EngineUnavailable("the server is shutting down"))
         self.engine_core.shutdown(timeout)
 
     # -- the engine core's side (its thread, or the thread reading its process) -------------------

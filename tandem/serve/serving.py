@@ -89,7 +89,7 @@ class OpenAIServing:
                 param=param,
                 code="invalid_unicode",
             ) from None
-        return await self.llm.run_tokenizer(self.llm.tokenizer.encode, text, **kwargs)
+        return await self.llm.encode(text, **kwargs)
 
     def make_params(
         self,

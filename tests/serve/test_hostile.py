@@ -60,7 +60,7 @@ def test_a_prompt_too_long_to_fit_is_refused_before_it_is_tokenized(hostile, mon
     def never(*args, **kwargs):
         raise AssertionError("tokenized a prompt that cannot fit")
 
-    monkeypatch.setattr(tok, "encode", never)
+    _patch_encoding(monkeypatch, tok, lambda real: never)
     monkeypatch.setattr(tok, "apply_chat_template", never)
     text = "a" * (hostile.llm.max_prompt_chars + 1)
     status, _, resp = hostile.post("/v1/completions", {"prompt": text})
@@ -76,15 +76,16 @@ def test_health_answers_while_a_prompt_is_being_tokenized(hostile, monkeypatch):
     """Tokenizing runs off the event loop: /health answers while an encode is still running (it
     waits for /health's answer, so on the event loop this would never finish)."""
     tok = hostile.llm.tokenizer
-    real = tok.encode
     started, answered = threading.Event(), threading.Event()
 
-    def slow_encode(text, **kwargs):
-        started.set()
-        assert answered.wait(30), "/health did not answer while a prompt was being tokenized"
-        return real(text, **kwargs)
+    def slow(real):
+        def encode(*args, **kwargs):
+            started.set()
+            assert answered.wait(30), "/health did not answer while a prompt was being tokenized"
+            return real(*args, **kwargs)
+        return encode
 
-    monkeypatch.setattr(tok, "encode", slow_encode)
+    _patch_encoding(monkeypatch, tok, slow)
     result = {}
     text = "word " * (hostile.llm.max_prompt_chars // 10)
     t = threading.Thread(
@@ -100,6 +101,13 @@ def test_health_answers_while_a_prompt_is_being_tokenized(hostile, monkeypatch):
     assert status == 200
     assert latency < 2.0, latency  # ~ms when idle; the margin is for a loaded 2-core machine
     assert result["r"][0] in (200, 400), result  # 400: too long for the context once tokenized
+
+
+def _patch_encoding(monkeypatch, tok, wrap) -> None:
+    """Wrap every way the server may encode text: `tok.encode`, and calling the tokenizer (its
+    batch call, which prompts take; patched on the class, where Python looks it up)."""
+    monkeypatch.setattr(tok, "encode", wrap(tok.encode))
+    monkeypatch.setattr(type(tok), "__call__", wrap(type(tok).__call__))
 
 
 def test_slow_headers_are_closed_and_ordinary_requests_go_on(hostile):
