@@ -35,6 +35,7 @@ from tandem.bench.metrics import (
     per_request_rows,
     summarize,
 )
+from tandem.bench.server_metrics import over_run, scrape, server_rows
 from tandem.engine.gc_pause import frozen_heap
 
 CLIENT_CPU_WARN = 0.85  # a client process this busy (share of one core) distorts latencies
@@ -87,6 +88,7 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     def tick(n: int = 1) -> None:
         bar.update(task, advance=n)
 
+    counters = scrape(cfg.target)  # the server's own, before the load (after the warm-up)
     # frozen_heap: a full GC pass over the client's heap (transformers, the prompts) would stall
     # its event loop for tens of ms and show up as the server's inter-token latency
     with bar, GpuMonitor(cfg.gpu_interval_s, indices, enabled=cfg.gpu_monitor) as mon, frozen_heap():
@@ -95,6 +97,7 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
         else:
             sent, t0, cpu = _run_in_processes(cfg, bodies, records, offsets, tick)
     results = summarize(sent, t0, parse_slo(cfg.slo))
+    results["server"] = over_run(counters, scrape(cfg.target) if counters is not None else None)
     results["client"] = _client_stats(cfg, sent, cpu, results["duration_s"])
     timeline = inflight_timeline(sent)
     results["gpu_idle_while_busy"] = mon.idle_while_busy(timeline, cfg.idle_util_pct)
@@ -314,6 +317,7 @@ def print_report(report: dict) -> None:
         )
     )
     sections.append(("GPU", gpu_rows(gpu, res.get("gpu_idle_while_busy"))))
+    sections.append(("Server (its /metrics over the run)", server_rows(res.get("server"))))
     load = LoadConfig(**cfg["load"]).describe()
     title = f"bench serve: {cfg['target']['base_url']}{cfg['target']['endpoint']}, {load}"
     rp.print_kv(title, sections)

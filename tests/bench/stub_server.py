@@ -35,6 +35,7 @@ class StubConfig:
     send_done: bool = True  # False: the stream ends at EOF after its finish (transformers serve)
     max_model_len: int | None = None  # listed at /v1/models when set
     reject_fields: tuple[str, ...] = ()  # a 422 naming these fields when a request sends them
+    vllm_metrics: bool = False  # /metrics with vLLM's counters: a step a request's prompt, one a token
 
 
 def _event(obj: dict) -> bytes:
@@ -49,6 +50,9 @@ class StubServer:
         self.in_flight = 0
         self.max_in_flight = 0
         self.count = 0
+        self.tokens_sent = 0
+        self.steps = 0
+        self.step_tokens = 0
         self.payloads: list[dict] = []
         self.base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -61,7 +65,23 @@ class StubServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
+        if self.cfg.vllm_metrics:
+            app.router.add_get("/metrics", self._metrics)
         return app
+
+    async def _metrics(self, _request):
+        model = f'model_name="{self.cfg.model}"'
+        lines = [
+            "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE vllm:generation_tokens_total counter",
+            f"vllm:generation_tokens_total{{{model}}} {float(self.tokens_sent)}",
+            "# TYPE vllm:iteration_tokens_total histogram",
+            f'vllm:iteration_tokens_total_bucket{{le="+Inf",{model}}} {float(self.steps)}',
+            f"vllm:iteration_tokens_total_count{{{model}}} {float(self.steps)}",
+            f"vllm:iteration_tokens_total_sum{{{model}}} {float(self.step_tokens)}",
+            f"vllm:num_preemptions_total{{{model}}} 0.0",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _health(self, _request):
         return web.Response(text="ok")
@@ -94,6 +114,8 @@ class StubServer:
         prompt = " ".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.steps += 1  # the prompt's step
+        self.step_tokens += len(prompt.split())
         try:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
@@ -117,6 +139,9 @@ class StubServer:
                     await asyncio.sleep(0.002)
                     event = event[9:]
                 await resp.write(event)
+                self.tokens_sent += 1
+                self.steps += 1
+                self.step_tokens += 1
             if cfg.finish_chunk:
                 await resp.write(_event(self._chunk(chat, "", "length")))
             if cfg.send_usage and (body.get("stream_options") or {}).get("include_usage"):

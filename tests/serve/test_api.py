@@ -77,3 +77,23 @@ def test_metrics(server):
         and buckets[-1] == m[f"tandem:e2e_request_latency_seconds_count{{{label}}}"]
     )
     assert all(re.fullmatch(r"tandem:[a-z0-9_]+(\{[^}]*\})?", k) for k in m)
+
+
+def test_bench_serve_reads_this_servers_counters(server):
+    """`bench serve` against tandem: its server section counts exactly the tokens the client
+    received (the warm-up's left out), in decode and prompt steps with their host time."""
+    from tandem.bench.serve import run_benchmark
+    from tests.bench.conftest import quick_config
+
+    server.wait_idle()
+    report = run_benchmark(quick_config(server.url, num_prompts=6, output_len=4),
+                           show_progress=False)
+    res = report["results"]
+    assert res["completed"] == 6 and res["total_output_tokens"] == 24
+    run = res["server"]
+    assert run["source"] == "tandem" and run["generation_tokens"] == 24
+    steps = run["steps_by_kind"]
+    assert steps["decode"]["steps"] > 0 and steps["decode"]["mean_ms"] > 0
+    assert steps["prefill_or_mixed"]["steps"] > 0
+    assert run["engine_steps"] == sum(s["steps"] for s in steps.values())
+    assert run["preemptions"] == 0

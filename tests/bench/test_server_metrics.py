@@ -1,0 +1,114 @@
+"""`bench serve`'s server section: the server's Prometheus counters before and after the load, read
+from tandem's own /metrics text and from vLLM's names; a server without them gives no section."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.bench.client import TargetConfig
+from tandem.bench.serve import print_report, run_benchmark
+from tandem.bench.server_metrics import over_run, parse_prometheus, scrape, server_rows
+from tandem.engine.metrics import EngineStats, ServerMetrics
+
+from .conftest import quick_config
+
+VLLM_TEXT = """\
+# HELP vllm:iteration_tokens_total Histogram of number of tokens per engine_step.
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_sum{{model_name="m"}} {sum}
+vllm:iteration_tokens_total_bucket{{le="1.0",model_name="m"}} 3.0
+vllm:iteration_tokens_total_count{{model_name="m"}} {count}
+vllm:generation_tokens_total{{model_name="m"}} {gen}
+vllm:num_preemptions_total{{model_name="m"}} {pre}
+vllm:prefix_cache_queries_total{{model_name="m"}} {q}
+vllm:prefix_cache_hits_total{{model_name="m"}} {h}
+vllm:num_requests_running{{model_name="m"}} 7.0
+"""
+
+
+def _tandem_text(stats: EngineStats) -> str:
+    return ServerMetrics().render(stats, "model-a")
+
+
+def test_tandem_counters_over_a_run():
+    """Deltas of tandem's own rendering: steps and host ms by kind, tokens a step, preemptions,
+    the prefix cache's hit rate over the run (not since start)."""
+    before = EngineStats(generation_tokens=100, num_preemptions=1, prefix_queries=1000,
+                         prefix_hits=500, step_stats={"decode": (10, 0.02),
+                                                      "prefill_or_mixed": (2, 0.01)})
+    after = EngineStats(generation_tokens=1100, num_preemptions=4, prefix_queries=3000,
+                        prefix_hits=1000, step_stats={"decode": (60, 0.14),
+                                                      "prefill_or_mixed": (6, 0.05)})
+    run = over_run(parse_prometheus(_tandem_text(before)), parse_prometheus(_tandem_text(after)))
+    assert run["source"] == "tandem"
+    assert run["steps_by_kind"]["decode"]["steps"] == 50
+    assert run["steps_by_kind"]["decode"]["mean_ms"] == pytest.approx(2.4)
+    assert run["steps_by_kind"]["prefill_or_mixed"] == {"steps": 4, "mean_ms": pytest.approx(10.0)}
+    assert run["engine_steps"] == 54
+    assert run["generation_tokens"] == 1000
+    assert run["generation_tokens_per_step"] == pytest.approx(1000 / 54)
+    assert run["preemptions"] == 3
+    assert run["prefix_cache_hit_rate"] == pytest.approx(0.25)  # 500 of the run's 2000
+    rows = dict(server_rows(run))
+    assert rows["  decode: steps / mean host ms"] == "50 / 2.40"
+
+
+def test_a_kind_first_seen_after_the_start_counts_from_zero():
+    before = EngineStats(generation_tokens=0, step_stats={})
+    after = EngineStats(generation_tokens=8, step_stats={"decode": (8, 0.008)})
+    run = over_run(parse_prometheus(_tandem_text(before)), parse_prometheus(_tandem_text(after)))
+    assert run["steps_by_kind"] == {"decode": {"steps": 8, "mean_ms": pytest.approx(1.0)}}
+    assert run["generation_tokens_per_step"] == 1.0
+
+
+def test_vllm_counters_over_a_run():
+    before = parse_prometheus(VLLM_TEXT.format(sum=50.0, count=5.0, gen=40.0, pre=0.0, q=0.0, h=0.0))
+    after = parse_prometheus(VLLM_TEXT.format(sum=2050.0, count=105.0, gen=1640.0, pre=2.0,
+                                              q=400.0, h=100.0))
+    run = over_run(before, after)
+    assert run["source"] == "vllm"
+    assert run["engine_steps"] == 100
+    assert run["scheduled_tokens_per_step"] == pytest.approx(20.0)
+    assert run["generation_tokens"] == 1600 and run["generation_tokens_per_step"] == 16.0
+    assert run["preemptions"] == 2 and run["prefix_cache_hit_rate"] == pytest.approx(0.25)
+    assert "steps_by_kind" not in run
+
+
+def test_parse_sums_over_labels_but_kind_and_skips_what_it_cannot_read():
+    text = ('a_total{model_name="x"} 1\na_total{model_name="y"} 2.5\n'
+            'b_total{model_name="x",kind="decode"} 3\nb_total{kind="decode"} 4\n'
+            "# a comment\n\nnot a sample line!\nc NaNa\nd 5 1700000000\n")
+    got = parse_prometheus(text)
+    assert got == {"a_total": 3.5, "b_total{kind=decode}": 7.0, "d": 5.0}
+
+
+def test_no_known_counters_give_no_section():
+    assert over_run(None, {"vllm:generation_tokens_total": 1.0}) is None
+    assert over_run({"x": 1.0}, {"x": 2.0}) is None
+    assert server_rows(None)[0][0] == "status"
+
+
+def test_bench_serve_against_vllm_style_metrics(stub, capsys):
+    """The stub counts a step for each prompt and for each token it streams, as vLLM's names
+    say: the report's server section matches what the client received, the warm-up left out."""
+    with stub(vllm_metrics=True) as server:
+        report = run_benchmark(quick_config(server.base_url, num_prompts=12, output_len=5),
+                               show_progress=False)
+    res = report["results"]
+    assert res["completed"] == 12 and res["total_output_tokens"] == 60
+    run = res["server"]
+    assert run["source"] == "vllm"
+    assert run["generation_tokens"] == 60
+    assert run["engine_steps"] == 12 + 60
+    print_report(report)
+    assert "Server (its /metrics over the run)" in capsys.readouterr().out
+
+
+def test_bench_serve_against_a_server_without_metrics(stub, capsys):
+    with stub() as server:
+        assert scrape(TargetConfig(base_url=server.base_url)) is None  # a 404
+        report = run_benchmark(quick_config(server.base_url, num_prompts=3, output_len=2),
+                               show_progress=False)
+    assert report["results"]["server"] is None
+    print_report(report)
+    assert "no /metrics with tandem's or vLLM's counters" in capsys.readouterr().out
