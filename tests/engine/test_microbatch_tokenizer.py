@@ -240,19 +240,21 @@ def test_a_slow_tokenizer_encodes_one_text_at_a_time(tok, executor):
 
 
 # -- failures -------------------------------------------------------------------------------------
+async def _encode_together(mt: MicrobatchTokenizer, executor, texts: list[str]) -> list:
+    """Every text pending at once (so they make one batch), then each one's ids or error."""
+    with _blocked(executor):
+        tasks = [asyncio.ensure_future(mt.encode(t)) for t in texts]
+        await _until_pending(mt, len(texts))
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
+
+
 def test_one_bad_text_fails_alone(tok, executor):
     """The batch call raises because of one text: that text gets the error, the others their ids."""
     rec = _Recording(tok)
     mt = MicrobatchTokenizer(rec, executor)
     texts = ["good one", "also good", "BAD text", "<|im_start|>fine", ""]
 
-    async def main():
-        with _blocked(executor):
-            tasks = [asyncio.ensure_future(mt.encode(t)) for t in texts]
-            await _until_pending(mt, len(texts))
-        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
-
-    got = asyncio.run(main())
+    got = asyncio.run(_encode_together(mt, executor, texts))
     assert isinstance(got[2], ValueError)
     good = [k for k in range(len(texts)) if k != 2]
     assert [got[k] for k in good] == [tok.encode(texts[k]) for k in good]
@@ -265,13 +267,7 @@ def test_a_text_the_real_tokenizer_refuses_fails_alone(tok, executor):
     mt = MicrobatchTokenizer(tok, executor)
     texts = ["fine", "a\ud800b", "also fine 中文"]
 
-    async def main():
-        with _blocked(executor):
-            tasks = [asyncio.ensure_future(mt.encode(t)) for t in texts]
-            await _until_pending(mt, len(texts))
-        return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
-
-    got = asyncio.run(main())
+    got = asyncio.run(_encode_together(mt, executor, texts))
     assert isinstance(got[1], Exception)
     assert [got[0], got[2]] == [tok.encode(texts[0]), tok.encode(texts[2])]
 
@@ -290,19 +286,25 @@ def test_a_cancelled_waiter_leaves_no_stray_error(tok, executor):
             tasks[1].cancel()
             await asyncio.sleep(0)
             assert tasks[1].cancelled()
-        got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
-        await _executor_idle(executor)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        del tasks
-        gc.collect()
-        return got, errors
+        return await _gather_and_settle(tasks, executor), errors
 
     got, errors = asyncio.run(main())
     assert isinstance(got[1], asyncio.CancelledError)
     assert [got[0], got[2], got[3]] == [tok.encode(t) for t in ("zero", "two", "three")]
     assert errors == []
     assert mt._pending == [] and not mt._draining
+
+
+async def _gather_and_settle(tasks: list, executor) -> list:
+    """The tasks' results (or errors); then the executor idle, the loop's callbacks run and the
+    tasks collected, so that an error nobody retrieved would have reached the loop's handler."""
+    got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
+    await _executor_idle(executor)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    tasks.clear()
+    gc.collect()
+    return got
 
 
 def test_a_waiter_cancelled_during_its_batch_leaves_no_stray_error(tok, executor):
@@ -321,13 +323,7 @@ def test_a_waiter_cancelled_during_its_batch_leaves_no_stray_error(tok, executor
         tasks[0].cancel()
         tasks[2].cancel()  # its error would have been delivered to a cancelled future
         rec.go.set()
-        got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
-        await _executor_idle(executor)
-        for _ in range(5):
-            await asyncio.sleep(0)
-        del tasks
-        gc.collect()
-        return got, errors
+        return await _gather_and_settle(tasks, executor), errors
 
     got, errors = asyncio.run(main())
     assert isinstance(got[0], asyncio.CancelledError) and isinstance(got[2], asyncio.CancelledError)
@@ -389,10 +385,7 @@ def test_a_tokenizer_panic_fails_its_text_and_the_drain_goes_on(tok, executor):
     mt = MicrobatchTokenizer(Panicky(), executor)
 
     async def main():
-        with _blocked(executor):
-            calls = [asyncio.ensure_future(mt.encode(t)) for t in ("a b", "PANIC", "c")]
-            await _until_pending(mt, 3)
-        got = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), GUARD_S)
+        got = await _encode_together(mt, executor, ["a b", "PANIC", "c"])
         return got, await asyncio.wait_for(mt.encode("d"), GUARD_S)
 
     got, after = asyncio.run(main())
