@@ -70,25 +70,29 @@ def over_run(before: dict[str, float] | None, after: dict[str, float] | None) ->
         key = prefix + name
         return after[key] - before.get(key, 0.0) if key in after else None
 
-    out: dict = {"source": prefix.rstrip(":"), "generation_tokens": delta("generation_tokens_total")}
+    def count(name: str) -> int | None:
+        d = delta(name)
+        return None if d is None else round(d)
+
+    out: dict = {"source": prefix.rstrip(":"), "generation_tokens": count("generation_tokens_total")}
     if prefix == "tandem:":  # steps by kind, with the host's seconds in them
         kinds = sorted(k.split("kind=")[1][:-1] for k in after
                        if k.startswith(f"{prefix}engine_steps_total{{kind="))
         steps = {}
         for kind in kinds:
-            n = delta(f"engine_steps_total{{kind={kind}}}") or 0.0
+            n = count(f"engine_steps_total{{kind={kind}}}") or 0
             sec = delta(f"engine_step_seconds_total{{kind={kind}}}")
-            steps[kind] = {"steps": int(n), "mean_ms": 1e3 * sec / n if n and sec else None}
+            steps[kind] = {"steps": n, "mean_ms": 1e3 * sec / n if n and sec else None}
         out["steps_by_kind"] = steps
         out["engine_steps"] = sum(s["steps"] for s in steps.values())
     else:  # vLLM: a histogram of the tokens (prompt and generated) an engine step scheduled
-        n = delta("iteration_tokens_total_count")
-        out["engine_steps"] = int(n) if n is not None else None
+        n = count("iteration_tokens_total_count")
+        out["engine_steps"] = n
         tokens = delta("iteration_tokens_total_sum")
         out["scheduled_tokens_per_step"] = tokens / n if n and tokens is not None else None
     gen, n = out["generation_tokens"], out["engine_steps"]
     out["generation_tokens_per_step"] = gen / n if gen is not None and n else None
-    out["preemptions"] = delta("num_preemptions_total")
+    out["preemptions"] = count("num_preemptions_total")
     hits, queries = delta("prefix_cache_hits_total"), delta("prefix_cache_queries_total")
     out["prefix_cache_hit_rate"] = hits / queries if hits is not None and queries else None
     return out

@@ -45,9 +45,9 @@ def test_tandem_counters_over_a_run():
     assert run["steps_by_kind"]["decode"]["mean_ms"] == pytest.approx(2.4)
     assert run["steps_by_kind"]["prefill_or_mixed"] == {"steps": 4, "mean_ms": pytest.approx(10.0)}
     assert run["engine_steps"] == 54
-    assert run["generation_tokens"] == 1000
+    assert run["generation_tokens"] == 1000 and isinstance(run["generation_tokens"], int)
     assert run["generation_tokens_per_step"] == pytest.approx(1000 / 54)
-    assert run["preemptions"] == 3
+    assert run["preemptions"] == 3 and isinstance(run["preemptions"], int)
     assert run["prefix_cache_hit_rate"] == pytest.approx(0.25)  # 500 of the run's 2000
     rows = dict(server_rows(run))
     assert rows["  decode: steps / mean host ms"] == "50 / 2.40"
