@@ -45,10 +45,18 @@ def executor():
     ex.shutdown(wait=True, cancel_futures=True)
 
 
+def _idle(executor) -> None:
+    """Returns once everything submitted to the executor so far has run (it has one thread): a
+    drain's last look at the queue included."""
+    executor.submit(lambda: None).result(GUARD_S)
+
+
 @contextmanager
 def _blocked(executor):
     """The executor's one thread waits on an Event until the block ends (so a drain submitted
-    meanwhile queues behind it)."""
+    meanwhile queues behind it). First everything already submitted runs to its end: a drain still
+    looping after its last batch would otherwise take the texts sent inside the block."""
+    _idle(executor)  # (a drain needs no event loop to finish)
     release = threading.Event()
     executor.submit(release.wait, GUARD_S)
     try:
@@ -152,6 +160,7 @@ def test_results_equal_encode_for_every_text_and_kwargs(tok, executor):
     got = asyncio.run(main())
     assert got == want
     assert all(type(ids) is list for ids in got)
+    _idle(executor)
     assert mt._pending == [] and not mt._draining
 
 
@@ -195,6 +204,7 @@ def test_texts_that_arrive_during_a_batch_make_the_next_one(tok, executor):
 
     assert asyncio.run(main()) == [tok.encode(t) for t in ["first"] + later]
     assert [texts for texts, _ in rec.calls] == [["first"], later]
+    _idle(executor)
     assert mt._pending == [] and not mt._draining
 
 
