@@ -73,11 +73,6 @@ async def _until_pending(mt: MicrobatchTokenizer, n: int) -> None:
     raise AssertionError(f"{len(mt._pending)} texts pending, expected {n}")
 
 
-async def _executor_idle(executor) -> None:
-    """Returns once everything submitted to the executor so far has run (it has one thread)."""
-    await asyncio.wait_for(asyncio.wrap_future(executor.submit(lambda: None)), GUARD_S)
-
-
 def _random_texts(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     alphabet = (
@@ -309,7 +304,7 @@ async def _gather_and_settle(tasks: list, executor) -> list:
     """The tasks' results (or errors); then the executor idle, the loop's callbacks run and the
     tasks collected, so that an error nobody retrieved would have reached the loop's handler."""
     got = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), GUARD_S)
-    await _executor_idle(executor)
+    _idle(executor)
     for _ in range(5):
         await asyncio.sleep(0)
     tasks.clear()
@@ -355,7 +350,7 @@ def test_close_fails_the_waiting_texts_and_every_later_one(tok, executor):
                 with pytest.raises(RuntimeError, match="^x$"):
                     await asyncio.wait_for(task, GUARD_S)
             assert mt._pending == []
-        await _executor_idle(executor)
+        _idle(executor)
         assert not mt._draining
         with pytest.raises(RuntimeError, match="^x$"):
             await asyncio.wait_for(mt.encode("after"), GUARD_S)
