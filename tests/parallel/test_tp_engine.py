@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from model_fixtures import assert_no_leak, make_tiny_model, record_schedules
+from spawn_ranks import spawn_ranks
 
 from tandem import LLM, SamplingParams
 from tandem.models.loader import iterate_checkpoint
@@ -90,9 +91,7 @@ def test_explicit_ranks_match_tp1(tmp_path):
     arch, overrides = CASES[RELOAD_CASE]
     dirs["reload"] = str(tmp_path / "reload")
     make_tiny_model(arch, seed=RELOAD_SEED, **overrides).save_pretrained(dirs["reload"])
-    torch.multiprocessing.spawn(
-        _explicit_rank, args=(str(tmp_path / "store"), dirs, str(tmp_path)), nprocs=2
-    )
+    spawn_ranks(_explicit_rank, 2, str(tmp_path / "store"), dirs, str(tmp_path), log_dir=tmp_path / "logs")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1], "the two ranks disagree"
     for name, (arch, overrides) in CASES.items():

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from model_fixtures import make_tiny_model, make_tokenizer
+from spawn_ranks import spawn_ranks
 
 from tandem.rl import GRPOConfig, GRPOTrainer
 from tandem.rl.distributed import DistributedContext
@@ -67,6 +68,7 @@ def _rank(rank: int, store: str, out_dir: str) -> None:
                    os.path.join(out_dir, f"resumed-rank{rank}.pt"))
         budget = make_trainer(os.path.join(out_dir, "budget"), "grpo", WORLD, **BUDGET)
         torch.save(_snapshot(budget, budget.step()), os.path.join(out_dir, f"budget-rank{rank}.pt"))
+        dist.barrier()  # neither rank tears its connections down while the other still uses them
     finally:
         dist.destroy_process_group()
 
@@ -75,7 +77,7 @@ def _rank(rank: int, store: str, out_dir: str) -> None:
 def dp_run(tmp_path_factory):
     """One spawn of 2 gloo ranks that runs every loss type; returns the output directory."""
     out = tmp_path_factory.mktemp("dp")
-    torch.multiprocessing.spawn(_rank, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, WORLD, str(out / "store"), str(out), log_dir=out / "logs")
     return out
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from model_fixtures import make_tiny_model, make_tokenizer
+from spawn_ranks import spawn_ranks
 from torch.distributed.tensor import DTensor
 
 from tandem import LLM
@@ -98,6 +99,7 @@ def _rank(rank: int, store: str, out: str) -> None:
         step = resumed.global_step
         m3r = resumed.step()
         save({"metrics": m3r, "weights": _full_weights(resumed), "step": step}, "resumed")
+        dist.barrier()  # neither rank tears its connections down while the other still uses them
     finally:
         dist.destroy_process_group()
 
@@ -105,7 +107,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    torch.multiprocessing.spawn(_rank, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank, WORLD, str(out / "store"), str(out), log_dir=out / "logs")
     return out
 
 
@@ -206,7 +208,7 @@ def _rank_nccl(rank: int, store: str, out: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp_on_two_gpus_matches_the_all_reduce_trainer(tmp_path):
-    torch.multiprocessing.spawn(_rank_nccl, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_rank_nccl, WORLD, str(tmp_path / "store"), str(tmp_path), log_dir=tmp_path / "logs")
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"nccl-rank{rank}.pt", weights_only=False)
         assert got["loss"][1] == pytest.approx(got["loss"][0], abs=1e-5)
