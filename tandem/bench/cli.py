@@ -119,6 +119,10 @@ def _run_args(p: argparse.ArgumentParser, output_dir: bool = True) -> None:
     g.add_argument("--gpu-interval-s", type=float, default=S.gpu_interval_s,
                    help="seconds between GPU samples")
     g.add_argument("--gpu-indices", default=S.gpu_indices, help="NVML indices, e.g. 0,1")
+    g.add_argument("--no-queue-sampler", dest="queue_sampler", action="store_false",
+                   help="do not sample the server's running/waiting gauges at /metrics")
+    g.add_argument("--queue-interval-s", type=float, default=S.queue_interval_s,
+                   help="seconds between samples of the server's queue gauges")
     g.add_argument("--idle-util-pct", type=float, default=S.idle_util_pct,
                    help="a GPU below this utilization with requests in flight counts as idle")
     g.add_argument(

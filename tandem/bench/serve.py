@@ -35,7 +35,7 @@ from tandem.bench.metrics import (
     per_request_rows,
     summarize,
 )
-from tandem.bench.server_metrics import over_run, scrape, server_rows
+from tandem.bench.server_metrics import QueueSampler, over_run, queue_rows, scrape, server_rows
 from tandem.engine.gc_pause import frozen_heap
 
 CLIENT_CPU_WARN = 0.85  # a client process this busy (share of one core) distorts latencies
@@ -57,6 +57,8 @@ class ServeConfig:
     gpu_interval_s: float = 0.1
     gpu_indices: str | None = None  # NVML indices to watch, "0,1"; None: all
     idle_util_pct: float = 10.0  # "GPU idle" below this utilization while requests are in flight
+    queue_sampler: bool = True  # sample the server's running/waiting gauges at /metrics
+    queue_interval_s: float = 0.1
     ceiling_output_tok_s: float | None = None  # roofline figure, to print the fraction of it
     output_dir: str | None = None  # requests.csv and timeline.png (in flight vs GPU util)
     label: str = ""
@@ -70,6 +72,8 @@ class ServeConfig:
             raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
         if not self.gpu_interval_s > 0:
             raise ValueError(f"gpu_interval_s must be > 0, got {self.gpu_interval_s}")
+        if not self.queue_interval_s > 0:
+            raise ValueError(f"queue_interval_s must be > 0, got {self.queue_interval_s}")
 
 
 def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
@@ -91,7 +95,8 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     counters = scrape(cfg.target)  # the server's own, before the load (after the warm-up)
     # frozen_heap: a full GC pass over the client's heap (transformers, the prompts) would stall
     # its event loop for tens of ms and show up as the server's inter-token latency
-    with bar, GpuMonitor(cfg.gpu_interval_s, indices, enabled=cfg.gpu_monitor) as mon, frozen_heap():
+    queue = QueueSampler(cfg.target, cfg.queue_interval_s, enabled=cfg.queue_sampler)
+    with bar, GpuMonitor(cfg.gpu_interval_s, indices, enabled=cfg.gpu_monitor) as mon, queue, frozen_heap():
         if cfg.num_client_processes == 1:
             sent, t0, cpu = _run_in_process(cfg, bodies, records, offsets, tick)
         else:
@@ -100,6 +105,9 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     results["server"] = over_run(counters, scrape(cfg.target) if counters is not None else None)
     results["client"] = _client_stats(cfg, sent, cpu, results["duration_s"])
     timeline = inflight_timeline(sent)
+    results["server_queue"] = queue.summary(timeline, (t0, t0 + results["duration_s"]))
+    if results["server_queue"] is not None:
+        results["server_queue"]["series"] = queue.series(t0)
     results["gpu_idle_while_busy"] = mon.idle_while_busy(timeline, cfg.idle_util_pct)
     if cfg.ceiling_output_tok_s:
         ceiling = cfg.ceiling_output_tok_s
@@ -112,7 +120,8 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     if cfg.output_dir:
         rp.write_csv(results["requests"], f"{cfg.output_dir}/requests.csv")
         util = [[r["util"] for r in dev] for dev in mon.samples]
-        rp.plot_timeline(f"{cfg.output_dir}/timeline.png", timeline, mon.times, util, t0)
+        rp.plot_timeline(f"{cfg.output_dir}/timeline.png", timeline, mon.times, util, t0,
+                         queue=(queue.times, [r[0] for r in queue.rows], [r[1] for r in queue.rows]))
     return rp.make_report("serve", cfg, results, gpu)
 
 
@@ -318,6 +327,9 @@ def print_report(report: dict) -> None:
     )
     sections.append(("GPU", gpu_rows(gpu, res.get("gpu_idle_while_busy"))))
     sections.append(("Server (its /metrics over the run)", server_rows(res.get("server"))))
+    if cfg.get("queue_sampler", True):
+        sections.append(("Server queue (its /metrics while requests were in flight)",
+                         queue_rows(res.get("server_queue"))))
     load = LoadConfig(**cfg["load"]).describe()
     title = f"bench serve: {cfg['target']['base_url']}{cfg['target']['endpoint']}, {load}"
     rp.print_kv(title, sections)

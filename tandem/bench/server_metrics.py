@@ -11,8 +11,14 @@ other traffic during the run counts too.
 
 from __future__ import annotations
 
+import bisect
 import re
+import threading
+import time
 import urllib.request
+from typing import Self
+
+import numpy as np
 
 from tandem.bench.client import TargetConfig
 
@@ -116,3 +122,118 @@ def server_rows(server: dict | None) -> list[tuple[str, object]]:
         ("prefix-cache hit rate", server["prefix_cache_hit_rate"]),
     ]
     return rows
+
+
+# The queue gauges, by their names after the prefix (vLLM's and tandem's alike)
+RUNNING, WAITING, KV_USAGE = "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"
+# What held the batch below its peak, a sample at a time (`QueueSampler.summary`)
+STATES = ("full", "queued_in_engine", "not_yet_in_engine", "nothing_to_run")
+
+
+class QueueSampler:
+    """The server's queue gauges (requests running, waiting, KV-cache use) sampled through the
+    run, read beside the client's requests in flight: at each sample, where the requests were.
+    A batch below its peak while the engine had requests waiting is the scheduler's doing (KV
+    blocks, the token budget); while requests were sent but not yet in the engine (in the API
+    server, on the wire) it is admission's; with neither it is the load's (arrivals, the drain).
+    A server without the gauges gives no samples. `scrape_fn` is `scrape`'s stand-in in tests."""
+
+    def __init__(self, target: TargetConfig, interval_s: float = 0.1, enabled: bool = True,
+                 scrape_fn=None):
+        self.target, self.interval_s, self.enabled = target, interval_s, enabled
+        self._scrape = scrape_fn or (lambda: scrape(target, timeout_s=max(1.0, 10 * interval_s)))
+        self.prefix: str | None = None
+        self.times: list[float] = []
+        self.rows: list[tuple[float, float, float | None]] = []  # running, waiting, KV use
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Self:
+        if self.enabled:
+            first = self._scrape()
+            self.prefix = next((p for p in PREFIXES if first and p + RUNNING in first
+                                and p + WAITING in first), None)
+        if self.prefix is not None:
+            self._thread = threading.Thread(target=self._loop, name="queue-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        next_t = time.perf_counter()
+        while not self._stop.is_set():
+            t, s = time.perf_counter(), self._scrape()
+            if s is not None:
+                p = self.prefix
+                self.times.append(t)
+                self.rows.append((s.get(p + RUNNING, 0.0), s.get(p + WAITING, 0.0), s.get(p + KV_USAGE)))
+            next_t += self.interval_s
+            self._stop.wait(max(0.0, next_t - time.perf_counter()))
+
+    def summary(self, timeline: list[tuple[float, int]], window: tuple[float, float]) -> dict | None:
+        """The samples inside `window` (perf_counter start, end) with requests in flight by
+        `timeline` ([(time, requests in flight from then on)], sorted): the gauges' means and
+        peaks, requests sent but not yet in the engine, and the share of samples in each
+        state of `STATES` (the batch at its peak, or what held it below)."""
+        if self.prefix is None:
+            return None
+        t_line = [t for t, _ in timeline]
+        kept = []
+        for t, (running, waiting, kv) in zip(self.times, self.rows):
+            k = bisect.bisect_right(t_line, t) - 1
+            in_flight = timeline[k][1] if k >= 0 else 0
+            if window[0] <= t <= window[1] and in_flight > 0:
+                kept.append((running, waiting, kv, max(0.0, in_flight - running - waiting)))
+        out: dict = {"source": self.prefix.rstrip(":"), "interval_s": self.interval_s, "samples": len(kept)}
+        if not kept:
+            return out
+        running, waiting, kv, before = (np.array(c, dtype=float) for c in zip(*kept))
+        peak = running.max()
+        short = running < peak
+        states = {
+            "full": ~short,
+            "queued_in_engine": short & (waiting > 0),
+            "not_yet_in_engine": short & (waiting == 0) & (before >= 1),
+            "nothing_to_run": short & (waiting == 0) & (before < 1),
+        }
+        kv_known = kv[~np.isnan(kv)]
+        out.update(
+            running_mean=float(running.mean()), running_peak=float(peak),
+            waiting_mean=float(waiting.mean()), waiting_max=float(waiting.max()),
+            not_yet_in_engine_mean=float(before.mean()), not_yet_in_engine_max=float(before.max()),
+            kv_cache_usage_max=float(kv_known.max()) if kv_known.size else None,
+            states={name: float(mask.mean()) for name, mask in states.items()},
+        )
+        return out
+
+
+    def series(self, t0: float) -> dict:
+        """Every sample, column-wise, with times relative to `t0`."""
+        return {"t": [t - t0 for t in self.times], "running": [r[0] for r in self.rows],
+                "waiting": [r[1] for r in self.rows]}
+
+
+def queue_rows(queue: dict | None) -> list[tuple[str, object]]:
+    """Rows for the report's table."""
+    if queue is None:
+        return [("status", "no queue gauges at /metrics (num_requests_running, num_requests_waiting)")]
+    if not queue["samples"]:
+        return [("samples", 0)]
+    s = queue["states"]
+    return [
+        ("samples (every s)", f"{queue['samples']} ({queue['interval_s']:g})"),
+        ("running: mean / peak", f"{queue['running_mean']:.1f} / {queue['running_peak']:.0f}"),
+        ("waiting in the engine: mean / max", f"{queue['waiting_mean']:.1f} / {queue['waiting_max']:.0f}"),
+        ("sent, not yet in the engine: mean / max",
+         f"{queue['not_yet_in_engine_mean']:.1f} / {queue['not_yet_in_engine_max']:.0f}"),
+        ("batch at its peak (share of samples)", s["full"]),
+        ("  below it, requests waiting in the engine", s["queued_in_engine"]),
+        ("  below it, requests not yet in the engine", s["not_yet_in_engine"]),
+        ("  below it, nothing left to run", s["nothing_to_run"]),
+        ("KV-cache use, max", queue["kv_cache_usage_max"]),
+    ]

@@ -81,6 +81,9 @@ class StubServer:
             f"vllm:iteration_tokens_total_sum{{{model}}} {float(self.step_tokens)}",
             f"vllm:num_preemptions_total{{{model}}} 0.0",
         ]
+        running = min(self.in_flight, self.cfg.capacity or self.in_flight)  # the rest queue
+        lines += [f"vllm:num_requests_running{{{model}}} {float(running)}",
+                  f"vllm:num_requests_waiting{{{model}}} {float(self.in_flight - running)}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _health(self, _request):

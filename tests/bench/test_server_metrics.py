@@ -3,11 +3,20 @@ from tandem's own /metrics text and from vLLM's names; a server without them giv
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tandem.bench.client import TargetConfig
 from tandem.bench.serve import print_report, run_benchmark
-from tandem.bench.server_metrics import over_run, parse_prometheus, scrape, server_rows
+from tandem.bench.server_metrics import (
+    QueueSampler,
+    over_run,
+    parse_prometheus,
+    queue_rows,
+    scrape,
+    server_rows,
+)
 from tandem.engine.metrics import EngineStats, ServerMetrics
 
 from .conftest import quick_config
@@ -112,3 +121,89 @@ def test_bench_serve_against_a_server_without_metrics(stub, capsys):
     assert report["results"]["server"] is None
     print_report(report)
     assert "no /metrics with tandem's or vLLM's counters" in capsys.readouterr().out
+
+
+def _sampler(samples: list[tuple[float, float, float, float | None]]) -> QueueSampler:
+    """A sampler holding `samples` (time, running, waiting, KV use) as if it had taken them."""
+    q = QueueSampler(TargetConfig(), enabled=False)
+    q.prefix = "tandem:"
+    q.times = [t for t, *_ in samples]
+    q.rows = [tuple(r) for _, *r in samples]
+    return q
+
+
+def test_queue_states_say_what_held_the_batch_below_its_peak():
+    """Client in flight 8 from t=0 to 10, then 2 until 12, then none. Each sample lands in one
+    state: the batch at its peak (4), below it with requests waiting in the engine, below it
+    with requests sent but not yet in the engine, or below it with nothing left to run."""
+    timeline = [(0.0, 8), (10.0, 2), (12.0, 0)]
+    q = _sampler([
+        (-1.0, 0, 0, None),  # before the load: left out
+        (1.0, 4, 4, 0.5),    # full
+        (2.0, 4, 2, 0.5),    # full (2 more sent, not yet in the engine)
+        (3.0, 3, 1, 0.4),    # below, 1 waiting in the engine
+        (4.0, 2, 0, 0.3),    # below, 6 sent and not in the engine
+        (11.0, 2, 0, 0.1),   # below, nothing else in flight: the drain
+        (13.0, 0, 0, 0.0),   # nothing in flight: left out
+    ])
+    got = q.summary(timeline, window=(0.0, 20.0))
+    assert got["samples"] == 5 and got["source"] == "tandem"
+    assert got["running_peak"] == 4 and got["running_mean"] == pytest.approx(15 / 5)
+    assert got["waiting_max"] == 4 and got["waiting_mean"] == pytest.approx(7 / 5)
+    assert got["not_yet_in_engine_max"] == 6
+    assert got["not_yet_in_engine_mean"] == pytest.approx((0 + 2 + 4 + 6 + 0) / 5)
+    assert got["states"] == {"full": 0.4, "queued_in_engine": 0.2, "not_yet_in_engine": 0.2,
+                             "nothing_to_run": 0.2}
+    assert got["kv_cache_usage_max"] == 0.5
+    rows = dict(queue_rows(got))
+    assert rows["running: mean / peak"] == "3.0 / 4"
+    assert rows["  below it, requests not yet in the engine"] == 0.2
+    # the window bounds the samples too
+    assert q.summary(timeline, window=(0.0, 3.5))["samples"] == 3
+
+
+def test_queue_sampler_without_gauges_or_samples():
+    assert QueueSampler(TargetConfig(), enabled=False).summary([(0.0, 1)], (0.0, 1.0)) is None
+    assert queue_rows(None)[0][0] == "status"
+    empty = _sampler([]).summary([(0.0, 1)], (0.0, 1.0))
+    assert empty["samples"] == 0 and queue_rows(empty) == [("samples", 0)]
+    no_gauges = QueueSampler(TargetConfig(), scrape_fn=lambda: {"tandem:generation_tokens_total": 1.0})
+    with no_gauges:
+        assert no_gauges._thread is None  # nothing to sample: no thread
+    assert no_gauges.summary([(0.0, 1)], (0.0, 1.0)) is None
+
+
+def test_queue_sampler_polls_until_stopped():
+    """The thread reads the gauges, by vLLM's names here, until the run ends."""
+    calls, enough = [], threading.Event()
+
+    def fake_scrape():
+        calls.append(1)
+        if len(calls) >= 4:
+            enough.set()
+        return {"vllm:num_requests_running": float(len(calls)), "vllm:num_requests_waiting": 1.0}
+
+    q = QueueSampler(TargetConfig(), interval_s=0.001, scrape_fn=fake_scrape)
+    with q:
+        assert enough.wait(10.0)
+    n = len(calls)
+    assert q.prefix == "vllm:" and q._thread is None
+    assert len(q.rows) == n - 1  # the first call only found the gauges
+    assert [r[:2] for r in q.rows[:3]] == [(2.0, 1.0), (3.0, 1.0), (4.0, 1.0)]
+    assert q.rows[0][2] is None  # no KV-cache gauge
+    assert len(calls) == n  # stopped
+
+
+def test_bench_serve_samples_the_queue(stub, capsys):
+    """The stub runs 2 requests at a time and says the rest wait: the report's queue section
+    never sees more than 2 running, and its states account for every sample."""
+    with stub(vllm_metrics=True, capacity=2, tpot_ms=5.0) as server:
+        cfg = quick_config(server.base_url, num_prompts=6, output_len=8, queue_interval_s=0.005)
+        report = run_benchmark(cfg, show_progress=False)
+    queue = report["results"]["server_queue"]
+    assert queue["source"] == "vllm"
+    if queue["samples"]:
+        assert queue["running_peak"] <= 2
+        assert sum(queue["states"].values()) == pytest.approx(1.0)
+    print_report(report)
+    assert "Server queue (its /metrics while requests were in flight)" in capsys.readouterr().out

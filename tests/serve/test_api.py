@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from .helpers import MODEL_NAME
 
 
@@ -97,3 +99,7 @@ def test_bench_serve_reads_this_servers_counters(server):
     assert steps["prefill_or_mixed"]["steps"] > 0
     assert run["engine_steps"] == sum(s["steps"] for s in steps.values())
     assert run["preemptions"] == 0
+    queue = res["server_queue"]  # its gauges, sampled while the requests were in flight
+    assert queue["source"] == "tandem"
+    if queue["samples"]:
+        assert queue["running_peak"] <= 6 and sum(queue["states"].values()) == pytest.approx(1.0)
