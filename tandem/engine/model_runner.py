@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -13,6 +11,7 @@ from tandem import batch_invariant
 from tandem.config import EngineConfig
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.sequence import Sequence
+from tandem.engine.step_inputs import DecodeWindow, StepInputBuilder
 from tandem.engine.structured_output import BitmaskFiller
 from tandem.engine.token_fsm import FSMCursor, FSMStates
 from tandem.forward_context import AttentionMetadata, set_attention_metadata
@@ -27,27 +26,6 @@ from tandem.layers.sampler import (
 )
 
 PROMPT_LOGPROB_ROWS = 1024  # logits rows materialised at once for prompt logprobs ([rows, V] fp32)
-
-
-@dataclass
-class DecodeWindow:
-    """A decode window's steps (`SchedulerOutput.num_steps`): step k's inputs sit at position
-    p + k of each sequence, written to the slot for it, over a context one longer each step."""
-
-    positions: torch.Tensor  # [K, B] int64
-    slot_mapping: torch.Tensor  # [K, B] int64
-    seq_lens: torch.Tensor  # [K, B] int32
-    seq_lens_cpu: np.ndarray  # [K, B]
-
-    @property
-    def num_steps(self) -> int:
-        return self.positions.shape[0]
-
-    def meta(self, first: AttentionMetadata, k: int) -> AttentionMetadata:
-        """Step k's attention metadata (step 0's is `first`)."""
-        lens = self.seq_lens_cpu[k]
-        return dataclasses.replace(first, slot_mapping=self.slot_mapping[k], seq_lens=self.seq_lens[k],
-                                   max_seq_len=int(lens.max()), seq_lens_cpu=lens.tolist())
 
 
 class ModelRunner:
@@ -65,7 +43,7 @@ class ModelRunner:
         self.kv_store = None
         self._sampling_key: tuple | None = None
         self._sampling_meta: SamplingMetadata | None = None
-        self._block_table_cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.inputs = StepInputBuilder(config.block_size, device)
         self.sampler = Sampler(config.seed, device)
         self.pin = device.type == "cuda"
         self.fill_bitmask = BitmaskFiller(self.vocab_size, self.pin)
@@ -135,115 +113,10 @@ class ModelRunner:
     def prepare_inputs(
         self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], DecodeWindow | None]:
-        """Flatten the step into token ids, positions, slot mapping and block tables.
-
-        Built with numpy and moved to the device in one pinned copy: this runs every step. Inputs
-        that are still placeholders (tokens the previous, in-flight step is sampling) are filled
-        on the device from `prev_token_ids`. A decode window (`sched.num_steps` > 1) gets every
-        step's positions, slots and context lengths in the same copy (`DecodeWindow`); the ids
-        and metadata returned are its first step's.
-        """
-        bs = self.block_size
-        seqs = sched.seqs
-        B = len(seqs)
-        # (list comprehensions, then one conversion each: this runs over every row of every step,
-        # and a generator fed to np.fromiter costs about three times as much per row)
-        num_new = sched.num_new_tokens
-        starts_list = [s.num_computed_tokens for s in seqs]
-        n = np.array(num_new, dtype=np.int64)
-        starts = np.array(starts_list, dtype=np.int64)
-        qsl = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(n, out=qsl[1:])
-        T = int(qsl[-1])
-        decode_only = sched.is_decode_only
-        # sequences whose chunk reaches their placeholder: that last input is filled on the device
-        pending_seqs = [i for i, s in enumerate(seqs)
-                        if s.num_placeholders and starts_list[i] + num_new[i] > len(s.token_ids)]
-        K = sched.num_steps
-        width = B if K == 1 else -(-B // 4) * 4  # a window's rows, each starting 16-byte aligned
-        if decode_only:
-            # (a pending row reads a stale id here, overwritten on the device below)
-            input_ids = np.array([s.token_ids[-1] for s in seqs], dtype=np.int64)
-            positions = starts
-            seq_index = np.arange(B)
-            if K > 1:  # [K, width] flat: step k's positions (padding columns repeat the last row)
-                seq_index = np.tile(np.minimum(np.arange(width), B - 1), K)
-                positions = starts[seq_index] + np.repeat(np.arange(K), width)
-        else:
-            input_ids = np.zeros(T, dtype=np.int64)
-            for s, a, k, q in zip(seqs, starts.tolist(), sched.num_new_tokens, qsl.tolist()):
-                known = s.token_ids[a : a + k]  # one short when the chunk ends at a placeholder
-                input_ids[q : q + len(known)] = known
-            seq_index = np.repeat(np.arange(B), n)
-            positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
-        tables = self._block_tables(seqs)
-        max_blocks = tables.shape[1]
-        slots = tables[seq_index, positions // bs] * bs + positions % bs
-        seq_lens = starts + n if K == 1 else positions + 1
-        parts = [input_ids, positions, slots, qsl, seq_lens, tables.ravel()]
-        pending = qsl[1:][pending_seqs] - 1  # flat index of each placeholder input
-        if pending_seqs:
-            if prev_token_ids is None:
-                raise RuntimeError("placeholder inputs but no in-flight step to read them from")
-            rows = np.array([seqs[i].pending_row for i in pending_seqs], dtype=np.int64)
-            parts += [pending, rows]
-        # Every part starts 16-byte aligned (an even number of int64s): kernels reading a part
-        # in place (positions, slot mapping) are specialized on pointer alignment by Triton, and
-        # an odd token count would otherwise compile them again.
-        sizes = [len(p) for p in parts]
-        padded = [n + n % 2 for n in sizes]
-        host = np.zeros(sum(padded), dtype=np.int64)
-        o = np.cumsum([0] + padded)
-        for values, start in zip(parts, o):
-            host[start : start + len(values)] = values
-        dev = torch.from_numpy(host)
-        if self.pin:
-            dev = dev.pin_memory()
-        dev = dev.to(self.device, non_blocking=True)
-        part = [dev[start : start + size] for start, size in zip(o, sizes)]
-        input_dev = part[0]
-        if len(pending):
-            input_dev = input_dev.clone()
-            input_dev[part[6]] = prev_token_ids[part[7]]
-        lens = part[4].to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=part[2][:T],
-            query_start_loc=part[3].to(torch.int32),
-            seq_lens=lens[:B],
-            block_tables=part[5].view(B, max_blocks).to(torch.int32),
-            max_query_len=int(n.max()),
-            max_seq_len=int(seq_lens[:B].max()),
-            decode_only=decode_only,
-            query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens[:B].tolist(),
-        )
-        sample_rows = (qsl[1:][np.asarray(sched.sampling, dtype=bool)] - 1).tolist()
-        window = None
-        if K > 1:
-            window = DecodeWindow(*(t.view(K, width)[:, :B] for t in (part[1], part[2], lens)),
-                                  seq_lens.reshape(K, width)[:, :B])
-        return input_dev, part[1][:T], meta, sample_rows, window
-
-    def _block_tables(self, seqs: list[Sequence]) -> np.ndarray:
-        """[B, longest table] int64, zero-padded. Kept between steps: while the batch holds the
-        same sequences (steady decode) only the rows whose table grew are rewritten, not the
-        whole table of every sequence."""
-        B = len(seqs)
-        lens = np.array([len(s.block_table) for s in seqs], dtype=np.int64)
-        key = ([s.seq_id for s in seqs], [s.block_table_epoch for s in seqs])  # compared as lists
-        max_blocks = int(lens.max())
-        cached = self._block_table_cache
-        if cached is not None and cached[2].shape[1] >= max_blocks and cached[0] == key:
-            _, old_lens, tables = cached
-            for row in np.flatnonzero(lens != old_lens).tolist():
-                table = seqs[row].block_table
-                tables[row, : len(table)] = table
-        else:
-            tables = np.zeros((B, max_blocks + 4), dtype=np.int64)  # room to grow a few blocks
-            tables[np.arange(tables.shape[1]) < lens[:, None]] = np.fromiter(
-                itertools.chain.from_iterable(s.block_table for s in seqs), np.int64, int(lens.sum()))
-        self._block_table_cache = (key, lens, tables)
-        return tables[:, :max_blocks]
+        """The step's token ids, positions, attention metadata, sampled rows and decode window
+        (`StepInputBuilder.build`)."""
+        x = self.inputs.build(sched, prev_token_ids)
+        return x.input_ids, x.positions, x.meta, x.sample_rows, x.window
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """Per-row sampling tensors; reused while the batch keeps the same sequences (steady decode)
