@@ -80,10 +80,24 @@ class StepInputBuilder:
             n = np.ones(B, dtype=np.int64)
             qsl = np.arange(B + 1, dtype=np.int64)
             T = B
-            # each row's input is its token at `start` (a decode's last token, or a 1-token chunk
-            # of a longer prompt); a placeholder reads 0 here, filled on the device below
-            input_ids = np.array([t[a] if a < k else 0 for t, a, k in zip(token_lists, starts_list, known.tolist())],
-                                 dtype=np.int64)
+        else:
+            n = np.array(sched.num_new_tokens, dtype=np.int64)
+            qsl = np.zeros(B + 1, dtype=np.int64)
+            np.cumsum(n, out=qsl[1:])
+            T = int(qsl[-1])
+        # rows whose chunk reaches their placeholder: that last input comes from the in-flight
+        # step's sampled tokens on the device (every row of a steady decode under async scheduling)
+        pending_seqs = np.flatnonzero(starts + n > known)
+        if len(pending_seqs) and prev_token_ids is None:
+            raise RuntimeError("placeholder inputs but no in-flight step to read them from")
+        all_pending = decode_only and len(pending_seqs) == B
+        parts64: dict[str, np.ndarray] = {}
+        if decode_only:
+            if not all_pending:
+                # each row's input is its token at `start` (a decode's last token, or a 1-token
+                # chunk of a longer prompt); a placeholder reads 0 here, filled on the device
+                parts64["ids"] = np.array([t[a] if a < k else 0 for t, a, k in
+                                           zip(token_lists, starts_list, known.tolist())], dtype=np.int64)
             positions = starts
             seq_index = None
             if K > 1:  # [K, width] flat: step k's positions (padding columns repeat the last row)
@@ -91,14 +105,11 @@ class StepInputBuilder:
                 seq_index = np.tile(np.minimum(np.arange(width), B - 1), K)
                 positions = starts[seq_index] + np.repeat(np.arange(K), width)
         else:
-            n = np.array(sched.num_new_tokens, dtype=np.int64)
-            qsl = np.zeros(B + 1, dtype=np.int64)
-            np.cumsum(n, out=qsl[1:])
-            T = int(qsl[-1])
             input_ids = np.zeros(T, dtype=np.int64)
             for t, a, k, q in zip(token_lists, starts_list, sched.num_new_tokens, qsl.tolist()):
                 chunk = t[a : a + k]  # one short when the chunk ends at a placeholder
                 input_ids[q : q + len(chunk)] = chunk
+            parts64["ids"] = input_ids
             seq_index = np.repeat(np.arange(B), n)
             positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
         tables = self.block_tables(seqs)
@@ -108,26 +119,31 @@ class StepInputBuilder:
         else:
             slots = tables[seq_index, positions // bs] * bs + positions % bs
         seq_lens = starts + n if K == 1 else positions + 1
-        # sequences whose chunk reaches their placeholder: that last input comes from the device
-        pending_seqs = np.flatnonzero(starts + n > known)
-        int64_parts = [input_ids, positions, slots]
+        parts64["positions"], parts64["slots"] = positions, slots
+        in_order = False  # every row's input is the in-flight step's token of the same row
         if len(pending_seqs):
-            if prev_token_ids is None:
-                raise RuntimeError("placeholder inputs but no in-flight step to read them from")
-            pending_rows = np.array([s.pending_row for s in seqs], dtype=np.int64)[pending_seqs]
-            int64_parts += [qsl[1:][pending_seqs] - 1, pending_rows]  # flat index, in-flight row
-        int32_parts = [qsl, seq_lens, tables]
-        dev64, dev32 = self._to_device(int64_parts, int32_parts)
-        input_dev = dev64[0]
-        if len(pending_seqs):
-            input_dev[dev64[3]] = prev_token_ids[dev64[4]]
-        lens = dev32[1]
+            rows = np.array([s.pending_row for s in seqs], dtype=np.int64)[pending_seqs]
+            in_order = all_pending and prev_token_ids.is_contiguous() and np.array_equal(rows, np.arange(B))
+            if not in_order:
+                parts64["pending_rows"] = rows
+                if not all_pending:
+                    parts64["pending_at"] = qsl[1:][pending_seqs] - 1  # flat index of the input
+        dev64, dev32 = self._to_device(parts64, {"qsl": qsl, "seq_lens": seq_lens, "tables": tables})
+        if in_order:  # the in-flight step's tokens are this step's inputs as they are
+            input_dev = prev_token_ids[:B]
+        elif all_pending:
+            input_dev = prev_token_ids[dev64["pending_rows"]]
+        else:
+            input_dev = dev64["ids"]
+            if len(pending_seqs):
+                input_dev[dev64["pending_at"]] = prev_token_ids[dev64["pending_rows"]]
+        lens = dev32["seq_lens"]
         seq_lens_b = seq_lens[:B]
         meta = AttentionMetadata(
-            slot_mapping=dev64[2][:T],
-            query_start_loc=dev32[0],
+            slot_mapping=dev64["slots"][:T],
+            query_start_loc=dev32["qsl"],
             seq_lens=lens[:B],
-            block_tables=dev32[2].view(B, max_blocks),
+            block_tables=dev32["tables"].view(B, max_blocks),
             max_query_len=1 if decode_only else int(n.max()),
             max_seq_len=int(seq_lens_b.max()),
             decode_only=decode_only,
@@ -142,27 +158,27 @@ class StepInputBuilder:
         window = None
         if K > 1:
             width = len(positions) // K
-            window = DecodeWindow(*(t.view(K, width)[:, :B] for t in (dev64[1], dev64[2], lens)),
+            window = DecodeWindow(*(t.view(K, width)[:, :B] for t in (dev64["positions"], dev64["slots"], lens)),
                                   seq_lens.reshape(K, width)[:, :B])
-        return StepInputs(input_dev, dev64[1][:T], meta, sample_rows, window)
+        return StepInputs(input_dev, dev64["positions"][:T], meta, sample_rows, window)
 
-    def _to_device(self, int64_parts: list[np.ndarray], int32_parts: list[np.ndarray]
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _to_device(self, parts64: dict[str, np.ndarray], parts32: dict[str, np.ndarray]
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Every part in one host buffer (the int64 ones, then the int32 ones, each starting
         `ALIGN`-byte aligned), one (pinned, asynchronous) copy; a view on the device for each."""
-        sizes64 = [p.size for p in int64_parts]
-        sizes32 = [p.size for p in int32_parts]
+        sizes64 = [p.size for p in parts64.values()]
+        sizes32 = [p.size for p in parts32.values()]
         pad64 = [s + (-s) % (ALIGN // 8) for s in sizes64]
         pad32 = [s + (-s) % (ALIGN // 4) for s in sizes32]
         n64 = sum(pad64)
         host = np.empty(8 * n64 + 4 * sum(pad32), dtype=np.uint8)
         h64, h32 = host[: 8 * n64].view(np.int64), host[8 * n64 :].view(np.int32)
         o = 0
-        for p, s, ps in zip(int64_parts, sizes64, pad64):
+        for p, s, ps in zip(parts64.values(), sizes64, pad64):
             h64[o : o + s] = p.ravel()
             o += ps
         o = 0
-        for p, s, ps in zip(int32_parts, sizes32, pad32):
+        for p, s, ps in zip(parts32.values(), sizes32, pad32):
             h32[o : o + s] = p.ravel()
             o += ps
         dev = torch.from_numpy(host)
@@ -171,8 +187,8 @@ class StepInputBuilder:
         dev = dev.to(self.device, non_blocking=True)
         d64 = dev[: 8 * n64].view(torch.int64).split(pad64)
         d32 = dev[8 * n64 :].view(torch.int32).split(pad32)
-        return ([t if s == ps else t[:s] for t, s, ps in zip(d64, sizes64, pad64)],
-                [t if s == ps else t[:s] for t, s, ps in zip(d32, sizes32, pad32)])
+        return ({k: t if s == ps else t[:s] for k, t, s, ps in zip(parts64, d64, sizes64, pad64)},
+                {k: t if s == ps else t[:s] for k, t, s, ps in zip(parts32, d32, sizes32, pad32)})
 
     def block_tables(self, seqs: list[Sequence]) -> np.ndarray:
         """[B, longest table] int64, zero-padded. Kept between steps: while the batch holds the

@@ -106,9 +106,17 @@ def test_step_inputs_match_a_row_by_row_reference():
         K = rng.choice([1, 1, 2, 4])
         sched = SchedulerOutput(num_steps=1)
         prev = torch.tensor([rng.randrange(1000, 2000) for _ in range(8)])
+        if rng.random() < 0.3:  # after a window: the in-flight tokens are a strided column
+            prev = torch.stack([prev, prev + 1], dim=1)[:, 1]
+        steady = rng.random() < 0.4  # a steady decode: every row's input is in flight...
+        order = rng.sample(range(len(batch)), len(batch)) if rng.random() < 0.5 else range(len(batch))
         for row, seq in enumerate(batch):
             seq.drop_placeholder()
-            if rng.random() < 0.3:  # the in-flight step is sampling this row's next token
+            if steady:  # ...in the same row of the in-flight step, or another
+                if seq.num_computed_tokens < len(seq.token_ids):  # caught up first
+                    seq.num_computed_tokens = len(seq.token_ids)
+                seq.append_placeholder(order[row])
+            elif rng.random() < 0.3:  # the in-flight step is sampling this row's next token
                 seq.append_placeholder(rng.randrange(8))
             remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining <= 0:  # caught up: the next token is known, decode it
