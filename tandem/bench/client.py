@@ -165,6 +165,7 @@ async def stream_one(
     rec.t_start = time.perf_counter()
     try:
         async with session.post(url, data=body) as resp:
+            rec.t_response = time.perf_counter()
             if resp.status != 200:
                 text = (await resp.text())[:200].replace("\n", " ")
                 rec.error = f"HTTP {resp.status}: {text}"

@@ -26,6 +26,7 @@ class RequestRecord:
     t_scheduled: float = 0.0  # when the arrival schedule wanted it sent
     t_dispatched: float = 0.0  # when the client got to it (late if the client is overloaded)
     t_start: float = 0.0  # when it was sent (later than dispatch if max_concurrency held it)
+    t_response: float = 0.0  # when the response's headers came (the server took the request)
     token_times: list[float] = field(default_factory=list)  # one per streamed token chunk
     t_end: float = 0.0  # stream closed or failure seen
     ok: bool = False
@@ -171,6 +172,9 @@ def summarize(records: list[RequestRecord], t0: float, slo: dict[str, float] | N
         "good_requests": good,
         "goodput": None if good is None else good / duration,
         "ttft_ms": distribution([ttft(r) for r in ok]),
+        # request sent -> response headers: the client, the wire and the API server's admission
+        "response_start_ms": distribution([r.t_response - r.t_start for r in ok if r.t_response]),
+        "last_response_start_s": max((r.t_response - t0 for r in ok if r.t_response), default=None),
         "tpot_ms": distribution([v for r in ok if (v := tpot(r)) is not None]),
         "itl_ms": distribution([g for r in ok for g in itls(r)]),
         "e2el_ms": distribution([e2e(r) for r in ok]),
@@ -190,6 +194,7 @@ def per_request_rows(records: list[RequestRecord]) -> list[dict]:
             "expected_output_tokens": r.expected_output_len,
             "schedule_lag_ms": (r.t_dispatched - r.t_scheduled) * 1000.0,
             "queue_ms": (r.t_start - r.t_dispatched) * 1000.0,
+            "response_start_ms": (r.t_response - r.t_start) * 1000.0 if r.t_response else None,
             "ttft_ms": None,
             "tpot_ms": None,
             "e2el_ms": None,

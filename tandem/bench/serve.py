@@ -314,6 +314,13 @@ def print_report(report: dict) -> None:
     ):
         d = res[key]
         sections.append((f"{name} (ms)", [(s, d[s]) for s in ("mean", "median", "p90", "p99")]))
+    rs = res.get("response_start_ms")
+    if rs and rs.get("median") is not None:
+        sections.append((
+            "Response start (ms): sent -> headers (client, wire, API server)",
+            [*((k, rs[k]) for k in ("median", "p99", "max")),
+             ("last request's (s after the start)", res["last_response_start_s"])],
+        ))
     cl = res["client"]
     sections.append(
         (

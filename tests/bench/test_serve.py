@@ -44,6 +44,11 @@ def test_run_with_failures_is_consistent(stub):
     assert res["good_requests"] == res["completed"]  # generous SLO: every success is good
     assert res["ttft_ms"]["min"] >= 5.0 and res["tpot_ms"]["min"] >= 1.5
     assert res["e2el_ms"]["max"] >= res["ttft_ms"]["max"]
+    # the stub answers with headers at once and sleeps ttft_ms before the first token
+    for row in ok_rows:
+        assert 0.0 <= row["response_start_ms"] <= row["ttft_ms"]
+    assert res["response_start_ms"]["max"] <= res["ttft_ms"]["max"]
+    assert 0.0 < res["last_response_start_s"] <= res["duration_s"]
     assert res["client"]["processes"] == 1 and res["client"]["cpu_s"] > 0
     assert report["gpu"]["available"] in (True, False)
 
