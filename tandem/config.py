@@ -14,7 +14,7 @@ _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _MAX_COUNT = 2**31 - 1  # counts of sequences and tokens: beyond this is a typo, not a setting
 _BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "enable_sleep_mode",
-          "trust_remote_code", "batch_invariant")
+          "trust_remote_code", "batch_invariant", "host_only")
 
 
 @dataclass
@@ -91,6 +91,12 @@ class EngineConfig:
     # whose masks the host computes each step; "guidance" always llguidance; "fsm" only token
     # automata (others refused).
     structured_outputs_backend: str = "auto"
+    # Benchmarks only: no forward and no sampling on the device; every sampled row gets one fixed
+    # token and everything else (scheduling, step inputs and their copy, the read-back, stop
+    # checks, outputs, streaming) runs as usual. What a run then takes is the engine's host work a
+    # token, the ceiling the host sets whatever the model (`tandem bench throughput --host-only`).
+    # Requests that need logits (logprobs, prompt logprobs, structured outputs) are refused.
+    host_only: bool = False
 
     def for_serving(self) -> EngineConfig:
         """This config for an online engine: num_scheduler_steps None means 1 there (a prompt

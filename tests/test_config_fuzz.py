@@ -65,6 +65,7 @@ ENGINE = {
     "tensor_parallel_size": _int(1, 1024),
     "enforce_eager": _bool(),
     "batch_invariant": _bool(),
+    "host_only": _bool(),
     "enable_sleep_mode": _bool(),
     "sleep_mode_backend": _choice("auto", "cumem", "recapture"),
     "num_gpu_blocks_override": _int(1, optional=True),

@@ -62,6 +62,9 @@ class ThroughputConfig:
     num_scheduler_steps: int | None = None  # None: the engine's default (EngineConfig)
     tensor_parallel_size: int = 1
     decode_gemm: str = "cublas"  # EngineConfig.decode_gemm
+    # EngineConfig.host_only: no forward or sampling, a fixed token a row: the engine's host work
+    # a token, its ceiling whatever the model (no roofline: the device does not work)
+    host_only: bool = False
     # vLLM's `bench throughput --async-engine`: through AsyncLLM, the engine in a process of its own
     # as `tandem serve` runs it, each request streaming deltas (`throughput_async.py`)
     async_engine: bool = False
@@ -178,7 +181,7 @@ def engine_kwargs(cfg: ThroughputConfig, prompts: list[list[int]], out_lens: lis
         enforce_eager=cfg.enforce_eager, async_scheduling=cfg.async_scheduling,
         **({} if cfg.num_scheduler_steps is None else {"num_scheduler_steps": cfg.num_scheduler_steps}),
         gpu_memory_utilization=cfg.gpu_memory_utilization, tensor_parallel_size=cfg.tensor_parallel_size,
-        decode_gemm=cfg.decode_gemm,
+        decode_gemm=cfg.decode_gemm, host_only=cfg.host_only,
     )
 
 
@@ -316,6 +319,9 @@ def run(cfg: ThroughputConfig) -> dict:
         apply_defaults(cfg, set(), torch.cuda.is_available())
     check_async_engine(cfg)
     backends = [cfg.backend] + [b for b in cfg.compare if b != cfg.backend]
+    if cfg.host_only and (backends != ["tandem"] or cfg.profile):
+        raise ValueError("--host-only times tandem's host work alone: drop --compare/--backend hf "
+                         "and --profile (there is no device work to compare or profile)")
     for b in backends:
         if b not in ("tandem", "hf"):
             raise ValueError(f"--backend/--compare must be 'tandem' or 'hf', got {b!r}")
@@ -352,7 +358,7 @@ def run(cfg: ThroughputConfig) -> dict:
     hbm, flops, device_name = device_ceilings(cfg.hbm_bytes_per_s, cfg.peak_flops)
     ceiling = None
     shape = ModelShape.from_hf_config(source.hf_config)
-    if hbm is not None and flops is not None:
+    if hbm is not None and flops is not None and not cfg.host_only:
         ceiling = ceiling_tokens_per_s(
             shape,
             [len(p) for p in prompts],
@@ -366,7 +372,7 @@ def run(cfg: ThroughputConfig) -> dict:
         r["roofline_fraction"] = r["output_tokens_per_s"] / ceiling if ceiling else None
     if "tandem" in results:
         prefill_floor = None
-        if flops is not None:
+        if flops is not None and not cfg.host_only:
             prefill_floor = prefill_floor_seconds(shape, sum(map(len, prompts)),
                                                   flops * cfg.tensor_parallel_size)
         results["tandem"]["phases"] = phases(results["tandem"], prefill_floor)
@@ -376,7 +382,7 @@ def run(cfg: ThroughputConfig) -> dict:
         )
     config = asdict(cfg) | {"load_format": _load_format(cfg), "roofline_device": device_name}
     report = make_report("throughput", config, results, gpu)
-    _print_table(results, device_name)
+    _print_table(results, device_name, cfg.host_only)
     finish(report, cfg.output, cfg.print_json)
     if llm is not None and llm.tp_workers is not None:
         llm.tp_workers.shutdown()  # after the report: the figures stand whatever teardown does
@@ -398,7 +404,7 @@ def check_async_engine(cfg: ThroughputConfig) -> None:
                          "run returns token ids): add --async-engine or drop them")
 
 
-def _print_table(results: dict, roofline_device: str | None = None) -> None:
+def _print_table(results: dict, roofline_device: str | None = None, host_only: bool = False) -> None:
     roof = any(r.get("roofline_fraction") is not None for r in results.values() if isinstance(r, dict))
     gpu = any(r.get("gpu") for r in results.values() if isinstance(r, dict))
     print(f"{'backend':<8} {'out tok/s':>11} {'total tok/s':>12} {'req/s':>8} {'peak GB':>8}"
@@ -431,7 +437,10 @@ def _print_table(results: dict, roofline_device: str | None = None) -> None:
                          f"{100 * p['floor_fraction']:.0f}% of their time")
             parts.append(part + ")")
         print("tandem phases: " + "; ".join(parts))
-    if roof:
+    if host_only:
+        print("host only: no forward and no sampling on the device (a fixed token a row); these "
+              "figures are the engine's host work, the most it could give whatever the model")
+    elif roof:
         print(f"roofline: the decode ceiling of {roofline_device} (docs/benchmarks.md)")
     else:
         print("no roofline: this device's bandwidth and FLOP/s are not known here; "
@@ -492,6 +501,9 @@ def add_parser(subparsers) -> None:
                    help="GPUs to shard tandem's model over")
     p.add_argument("--decode-gemm", default=d.decode_gemm,
                    help="cublas | triton | a table .json (python -m tandem.bench.gemm --table-out)")
+    p.add_argument("--host-only", action="store_true",
+                   help="no forward or sampling, a fixed token a row: the engine's host work a token "
+                   "(the ceiling the host sets, whatever the model)")
     p.add_argument("--profile", action="store_true", help="profile decode steps after the timed run")
     p.add_argument("--async-engine", action="store_true",
                    help="run tandem through AsyncLLM, the engine in a process of its own as `tandem "

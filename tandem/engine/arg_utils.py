@@ -52,6 +52,8 @@ _HELP = {
     "(.json) from `python -m tandem.bench.gemm --table-out`",
     "structured_outputs_backend": "auto (regexes, choices, closed JSON schemas as token automata on the "
     "device; the rest through llguidance) | guidance (llguidance only) | fsm (token automata only)",
+    "host_only": "benchmarks only: no forward or sampling, a fixed token a row; the rest of the "
+    "engine as usual (its host work a token)",
     "batch_invariant": "batch-invariant kernels: a token's logits never depend on the rest of the "
     "batch (exact trainer/engine logprob parity for RL; slower)",
 }

@@ -14,9 +14,9 @@ import copy
 import functools
 import itertools
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
@@ -104,7 +104,8 @@ class AsyncLLM:
         self.max_prompt_chars = _max_prompt_chars(self.tokenizer, self.max_model_len)
         # what LLMEngine.validate_request reads: its limits, not its state
         self._limits = SimpleNamespace(
-            max_model_len=info.max_model_len, hf_config=SimpleNamespace(vocab_size=info.vocab_size)
+            max_model_len=info.max_model_len, hf_config=SimpleNamespace(vocab_size=info.vocab_size),
+            config=SimpleNamespace(host_only=info.host_only),
         )
 
     @classmethod

@@ -78,6 +78,7 @@ class EngineInfo:
     vocab_size: int
     tokenizer: Any
     device: str  # "cpu", "cuda:0", ...
+    host_only: bool = False  # EngineConfig.host_only: requests that need logits are refused
 
 
 @dataclass
@@ -112,6 +113,7 @@ class EngineCore:
             # a private copy: HF tokenizers are not safe to share with the detokenizing loop
             tokenizer=copy.deepcopy(tok) if tok is not None else None,
             device=str(self.engine.device),
+            host_only=self.engine.config.host_only,
         )
 
     def send(self, msg: EngineCoreOutputs) -> None:

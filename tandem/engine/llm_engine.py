@@ -194,6 +194,12 @@ class LLMEngine:
             raise ValueError(f"prompt_logprobs must be <= 20, got {params.prompt_logprobs}")
         if params.structured_outputs is not None:
             check_grammar(params.structured_outputs)
+        if self.config.host_only:
+            needs = [f for f, v in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs),
+                                    ("structured_outputs", params.structured_outputs)) if v is not None]
+            if needs:
+                raise ValueError(f"{', '.join(needs)}: this engine runs with host_only=True (a benchmark "
+                                 "of its host work: no logits are computed); send the request without it")
 
     def add_request(
         self,

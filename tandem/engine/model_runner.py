@@ -25,6 +25,7 @@ from tandem.layers.sampler import (
     prompt_token_logprobs,
 )
 
+HOST_ONLY_TOKEN = 100  # the token every row gets with EngineConfig.host_only (an ordinary one)
 PROMPT_LOGPROB_ROWS = 1024  # logits rows materialised at once for prompt logprobs ([rows, V] fp32)
 
 
@@ -318,6 +319,8 @@ class ModelRunner:
         in-flight step's tokens first, as (matcher, token) pairs (`take_grammar_verdicts` says
         which accepted); `while_masking` runs on this thread while a worker thread has them take
         the tokens and fills the step's grammar masks (the engine reads the previous step back)."""
+        if self.config.host_only:
+            return self._run_host_only(sched, prev_token_ids)
         plp_rows = self._prompt_logprob_rows(sched)
         input_ids, positions, meta, sample_rows, window = self.prepare_inputs(sched, prev_token_ids)
         if window is not None:
@@ -376,6 +379,19 @@ class ModelRunner:
         out = self.sampler(logits, m)
         out.prompt_logprobs = prompt_lps
         return out
+
+    def _run_host_only(self, sched: SchedulerOutput, prev_token_ids: torch.Tensor | None) -> SamplerOutput | None:
+        """`EngineConfig.host_only`: the step's inputs and sampling metadata made and copied as for
+        a real step, then one fixed token for every sampled row (each of a window's steps)."""
+        _, _, _, sample_rows, window = self.prepare_inputs(sched, prev_token_ids)
+        rows = len(sched.seqs) if window is not None else len(sample_rows)
+        if not rows:
+            return None
+        self.prepare_sampling([s for s, smp in zip(sched.seqs, sched.sampling) if smp])
+        shape = (rows,) if window is None else (rows, window.num_steps)
+        token = min(HOST_ONLY_TOKEN, self.vocab_size - 1)
+        return SamplerOutput(token_ids=torch.full(shape, token, dtype=torch.int64, device=self.device),
+                             logprobs=torch.zeros(shape, dtype=torch.float32, device=self.device))
 
     def _run_window(self, sched: SchedulerOutput, input_ids: torch.Tensor, meta: AttentionMetadata,
                     window: DecodeWindow) -> SamplerOutput:

@@ -142,3 +142,27 @@ def test_async_engine_settings_are_checked_first(changes, field):
 
     with pytest.raises(ValueError, match=field):
         check_async_engine(ThroughputConfig(**changes))
+
+
+def test_host_only_times_the_engines_host_work(capsys, tiny_llama_dir):
+    """--host-only, offline and through AsyncLLM: every requested token comes back (the fixed
+    one), the engine's steps are counted, no roofline is claimed; a peer or a profile is refused
+    before any work."""
+    from tandem.bench.throughput import run
+
+    cfg = ThroughputConfig(model=tiny_llama_dir, num_prompts=6, input_len=8, output_len=(3, 9),
+                           dtype="float32", max_num_seqs=4, host_only=True, hbm_bytes_per_s=1e12,
+                           peak_flops=1e14, progress=False)
+    real = run(dataclasses.replace(cfg, host_only=False))["results"]["tandem"]
+    assert real["roofline_fraction"] is not None
+    capsys.readouterr()
+    for run_cfg in (cfg, dataclasses.replace(cfg, async_engine=True, stream_interval=2,
+                                             tokenizer=tiny_llama_dir)):
+        fig = run(run_cfg)["results"]["tandem"]
+        assert fig["output_tokens"] == real["output_tokens"]  # the same requests, every token
+        assert fig["step_stats"]["decode"]["steps"] >= 1
+        assert fig["roofline_fraction"] is None
+        assert "host only: no forward and no sampling" in capsys.readouterr().out
+    for bad in ({"compare": ["hf"]}, {"profile": True}):
+        with pytest.raises(ValueError, match="--host-only"):
+            run(dataclasses.replace(cfg, **bad))
