@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from tandem import __version__
 from tandem.engine.async_llm import AsyncLLM
@@ -29,6 +34,43 @@ _OPEN_PATHS = {"/health", "/metrics", "/version"}  # answered without the API ke
 _UNLIMITED_BODY_PATHS = {"/update_weights"}
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 _DRAIN_BYTES, _DRAIN_S = 64 << 20, 5.0  # what a refused body may still send, dropped unread
+
+
+def _direct_route(path: str, model: type, create) -> Route:
+    """POST `path` as a plain Starlette route: the body read, parsed and validated as FastAPI
+    does it for a route taking `model` (JSON without a content type or with a JSON one; a JSON
+    error, a missing body or a bad field raise the same RequestValidationError, so the error
+    handlers answer alike), then `create(request, raw_request)`. In a burst of requests FastAPI's
+    handler around the endpoint (dependency solving, body-to-arguments) took about a fifth of the
+    API server's event loop (docs/benchmarks.md): what admission waits on."""
+
+    async def endpoint(raw_request: Request) -> Response:
+        data = None
+        try:
+            body = await raw_request.body()
+            if body:
+                content_type = raw_request.headers.get("content-type")
+                main, _, sub = (content_type or "").split(";", 1)[0].strip().lower().partition("/")
+                if content_type and not (main == "application" and (sub == "json" or sub.endswith("+json"))):
+                    data = body  # not JSON: validated as the bytes it is (and refused)
+                else:
+                    data = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos),
+                                           "msg": "JSON decode error", "input": {},
+                                           "ctx": {"error": e.msg}}], body=e.doc) from e
+        except HTTPException:
+            raise
+        except Exception as e:  # noqa: BLE001 (FastAPI's answer to a body it cannot read or decode)
+            raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
+        try:
+            request = model.model_validate(data)
+        except ValidationError as e:
+            errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)]
+            raise RequestValidationError(errors, body=data) from e
+        return await create(request, raw_request)
+
+    return Route(path, endpoint, methods=["POST"], include_in_schema=False)
 
 
 def build_app(
@@ -66,6 +108,14 @@ def build_app(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         return await chat.create(request, raw_request)
+
+    # The two generation routes again, first in the router: the same handlers and the same
+    # validation errors as the routes above (which stay for the OpenAPI schema), without
+    # FastAPI's per-request dependency solving around them (`_direct_route`).
+    app.router.routes[:0] = [
+        _direct_route("/v1/completions", CompletionRequest, completions.create),
+        _direct_route("/v1/chat/completions", ChatCompletionRequest, chat.create),
+    ]
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:

@@ -122,21 +122,29 @@ def run_server(
     )
     llm = AsyncLLM.from_config(config, max_waiting_requests=waiting, engine_mode=engine_mode)
     app = build_app(llm, MODEL_NAME, **(app_kwargs or {}))
+    try:
+        with serve_app(app, llm, (app_kwargs or {}).get("api_key"), **(server_kwargs or {})) as server:
+            yield server
+    finally:
+        llm.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(app, llm: AsyncLLM, api_key: str | None = None, **server_kwargs) -> Iterator[Server]:
+    """`app` served on a background thread (its own event loop) at an ephemeral port of
+    127.0.0.1; stopped and joined on exit (the engine is the caller's)."""
     sock = bind_socket("127.0.0.1", 0)
-    server = make_server(app, **{"shutdown_timeout_s": 5.0, "log_level": "warning",
-                                 **(server_kwargs or {})})
+    server = make_server(app, **{"shutdown_timeout_s": 5.0, "log_level": "warning", **server_kwargs})
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         while not server.started:
             assert thread.is_alive(), "the server thread died while starting"
             time.sleep(0.01)
-        port = sock.getsockname()[1]
-        yield Server(f"http://127.0.0.1:{port}", llm, (app_kwargs or {}).get("api_key"))
+        yield Server(f"http://127.0.0.1:{sock.getsockname()[1]}", llm, api_key)
     finally:
         server.should_exit = True
         thread.join(15)
-        llm.shutdown()
 
 
 class ServeProcess:
