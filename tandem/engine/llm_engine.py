@@ -18,10 +18,10 @@ from tandem.engine.sequence import Sequence
 from tandem.engine.stop_checker import check_stop, window_tokens_kept
 from tandem.engine.structured_output import StructuredOutputManager, check_grammar
 from tandem.engine.worker import Worker
-from tandem.weights.check import TensorSpec, specs_of
 from tandem.models.loader import ModelSource, resolve_model
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.weights.check import TensorSpec, specs_of
 
 PromptType = str | list[int] | dict
 
