@@ -240,10 +240,10 @@ def plot_timeline(
     t_gpu: list[float],
     util: list[list[float | None]],
     t0: float,
-    queue: tuple[list[float], list[float], list[float]] | None = None,
+    queue: dict | None = None,
 ) -> None:
     """Requests in flight and each GPU's utilization over the run, on one time axis; with
-    `queue` (times, running, waiting: the server's gauges) where the requests in flight were."""
+    `queue` (`QueueSampler.series`: times from t0, running, waiting) where the requests were."""
     plt = pyplot()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(9, 4))
@@ -255,10 +255,9 @@ def plot_timeline(
             color="tab:blue",
             label="requests in flight",
         )
-    if queue is not None and queue[0]:
-        t_q = [t - t0 for t in queue[0]]
-        ax.plot(t_q, queue[1], color="tab:green", lw=1.0, label="running (server)")
-        ax.plot(t_q, queue[2], color="tab:orange", lw=1.0, label="waiting (server)")
+    if queue and queue["t"]:
+        ax.plot(queue["t"], queue["running"], color="tab:green", lw=1.0, label="running (server)")
+        ax.plot(queue["t"], queue["waiting"], color="tab:orange", lw=1.0, label="waiting (server)")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("requests")
     if t_gpu and util:

@@ -121,7 +121,7 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
         rp.write_csv(results["requests"], f"{cfg.output_dir}/requests.csv")
         util = [[r["util"] for r in dev] for dev in mon.samples]
         rp.plot_timeline(f"{cfg.output_dir}/timeline.png", timeline, mon.times, util, t0,
-                         queue=(queue.times, [r[0] for r in queue.rows], [r[1] for r in queue.rows]))
+                         queue=queue.series(t0))
     return rp.make_report("serve", cfg, results, gpu)
 
 

@@ -140,7 +140,7 @@ class QueueSampler:
 
     def __init__(self, target: TargetConfig, interval_s: float = 0.1, enabled: bool = True,
                  scrape_fn=None):
-        self.target, self.interval_s, self.enabled = target, interval_s, enabled
+        self.interval_s, self.enabled = interval_s, enabled
         self._scrape = scrape_fn or (lambda: scrape(target, timeout_s=max(1.0, 10 * interval_s)))
         self.prefix: str | None = None
         self.times: list[float] = []

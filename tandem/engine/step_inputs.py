@@ -71,6 +71,7 @@ class StepInputBuilder:
         seqs = sched.seqs
         B = len(seqs)
         K = sched.num_steps
+        width = B if K == 1 else -(-B // 4) * 4  # a window's rows, each starting 16-byte aligned
         decode_only = sched.is_decode_only  # every row computes one token
         starts_list = [s.num_computed_tokens for s in seqs]
         token_lists = [s.token_ids for s in seqs]  # known tokens: placeholders are not in them
@@ -99,9 +100,8 @@ class StepInputBuilder:
                 parts64["ids"] = np.array([t[a] if a < k else 0 for t, a, k in
                                            zip(token_lists, starts_list, known.tolist())], dtype=np.int64)
             positions = starts
-            seq_index = None
+            seq_index = np.arange(B)
             if K > 1:  # [K, width] flat: step k's positions (padding columns repeat the last row)
-                width = -(-B // 4) * 4  # each step's row starts 16-byte aligned
                 seq_index = np.tile(np.minimum(np.arange(width), B - 1), K)
                 positions = starts[seq_index] + np.repeat(np.arange(K), width)
         else:
@@ -114,10 +114,7 @@ class StepInputBuilder:
             positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1] - starts, n)
         tables = self.block_tables(seqs)
         max_blocks = tables.shape[1]
-        if seq_index is None:  # one token a row: its block is in its own row
-            slots = tables[np.arange(B), positions // bs] * bs + positions % bs
-        else:
-            slots = tables[seq_index, positions // bs] * bs + positions % bs
+        slots = tables[seq_index, positions // bs] * bs + positions % bs
         seq_lens = starts + n if K == 1 else positions + 1
         parts64["positions"], parts64["slots"] = positions, slots
         in_order = False  # every row's input is the in-flight step's token of the same row
@@ -157,7 +154,6 @@ class StepInputBuilder:
             sample_rows = (qsl[1:][np.asarray(sampling, dtype=bool)] - 1).tolist()
         window = None
         if K > 1:
-            width = len(positions) // K
             window = DecodeWindow(*(t.view(K, width)[:, :B] for t in (dev64["positions"], dev64["slots"], lens)),
                                   seq_lens.reshape(K, width)[:, :B])
         return StepInputs(input_dev, dev64["positions"][:T], meta, sample_rows, window)

@@ -194,16 +194,18 @@ def test_queue_sampler_polls_until_stopped():
     assert len(calls) == n  # stopped
 
 
-def test_bench_serve_samples_the_queue(stub, capsys):
+def test_bench_serve_samples_the_queue(stub, capsys, tmp_path):
     """The stub runs 2 requests at a time and says the rest wait: the report's queue section
     never sees more than 2 running, and its states account for every sample."""
     with stub(vllm_metrics=True, capacity=2, tpot_ms=5.0) as server:
-        cfg = quick_config(server.base_url, num_prompts=6, output_len=8, queue_interval_s=0.005)
+        cfg = quick_config(server.base_url, num_prompts=6, output_len=8, queue_interval_s=0.005,
+                           output_dir=str(tmp_path))
         report = run_benchmark(cfg, show_progress=False)
     queue = report["results"]["server_queue"]
     assert queue["source"] == "vllm"
     if queue["samples"]:
         assert queue["running_peak"] <= 2
         assert sum(queue["states"].values()) == pytest.approx(1.0)
+    assert (tmp_path / "timeline.png").stat().st_size > 1000  # with the queue's lines when sampled
     print_report(report)
     assert "Server queue (its /metrics while requests were in flight)" in capsys.readouterr().out
