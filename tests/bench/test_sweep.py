@@ -15,10 +15,11 @@ STUB = Path(__file__).with_name("stub_server.py")
 
 
 def test_knee_of_a_capacity_limited_server(stub, tmp_path):
-    # per-token delay 10 ms up to 4 requests in flight, 10 ms * n/4 beyond: output tok/s
-    # plateaus at 400 from concurrency 4 on, where TPOT starts to grow; SLO TPOT 15 ms
-    with stub(ttft_ms=10, tpot_ms=10, capacity=4) as server:
-        base = quick_config(server.base_url, num_prompts=8, output_len=12, slo="tpot=15")
+    # per-token delay 20 ms up to 4 requests in flight, 20 ms * n/4 beyond: output tok/s
+    # plateaus at 200 from concurrency 4 on, where TPOT starts to grow; SLO TPOT 30 ms, 10 ms
+    # from either side (a loaded CI core delays a sleep by a few ms)
+    with stub(ttft_ms=10, tpot_ms=20, capacity=4) as server:
+        base = quick_config(server.base_url, num_prompts=8, output_len=12, slo="tpot=30")
         cfg = SweepConfig(
             serve=base,
             mode="concurrency",
