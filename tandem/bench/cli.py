@@ -20,7 +20,7 @@ from tandem.bench.client import TargetConfig
 from tandem.bench.client_overhead import OverheadConfig
 from tandem.bench.datasets import DATASETS, DatasetConfig
 from tandem.bench.interconnect import BACKENDS, InterconnectConfig
-from tandem.bench.load import RATE_TYPES, LoadConfig
+from tandem.bench.load import RATE_TYPES, REQUESTS_PER_CLIENT_PROCESS, LoadConfig
 from tandem.bench.serve import ServeConfig
 from tandem.bench.sweep import MODES, SweepConfig
 
@@ -112,7 +112,8 @@ def _run_args(p: argparse.ArgumentParser, output_dir: bool = True) -> None:
         "--num-client-processes",
         type=int,
         default=S.num_client_processes,
-        help="split the load over this many client processes",
+        help="split the load over this many client processes (default: all at once, one per "
+        f"{REQUESTS_PER_CLIENT_PROCESS} requests sent at once, up to a quarter of the cores; else 1)",
     )
     g.add_argument("--no-gpu-monitor", dest="gpu_monitor", action="store_false",
                    help="do not sample the GPUs (NVML) during the run")

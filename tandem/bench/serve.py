@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+import os
 import queue
 import time
 import traceback
@@ -26,7 +27,14 @@ from tandem.bench.client import (
 )
 from tandem.bench.datasets import DatasetConfig, RequestSpec, load_requests
 from tandem.bench.gpu_monitor import GpuMonitor
-from tandem.bench.load import LoadConfig, arrival_offsets, split_concurrency, split_for_workers
+from tandem.bench.load import (
+    REQUESTS_PER_CLIENT_PROCESS,
+    LoadConfig,
+    arrival_offsets,
+    auto_client_processes,
+    split_concurrency,
+    split_for_workers,
+)
 from tandem.bench.metrics import (
     RequestRecord,
     distribution,
@@ -52,7 +60,7 @@ class ServeConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     num_warmups: int = 1  # requests sent (and discarded) before the measured run
     slo: str | None = None  # "ttft=1000,tpot=50" in ms: goodput counts requests meeting all
-    num_client_processes: int = 1
+    num_client_processes: int | None = None  # None: auto_client_processes (a burst's share)
     gpu_monitor: bool = True
     gpu_interval_s: float = 0.1
     gpu_indices: str | None = None  # NVML indices to watch, "0,1"; None: all
@@ -65,15 +73,25 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         parse_slo(self.slo)  # raises with the reason
-        if self.num_client_processes < 1:
-            raise ValueError(f"num_client_processes must be >= 1, got {self.num_client_processes}")
-        split_concurrency(self.load.max_concurrency, self.num_client_processes)
+        if self.num_client_processes is not None and self.num_client_processes < 1:
+            raise ValueError(
+                f"num_client_processes must be >= 1 (or None: one per {REQUESTS_PER_CLIENT_PROCESS} "
+                f"requests sent at once), got {self.num_client_processes}")
+        split_concurrency(self.load.max_concurrency, self.client_processes())
         if self.num_warmups < 0:
             raise ValueError(f"num_warmups must be >= 0, got {self.num_warmups}")
         if not self.gpu_interval_s > 0:
             raise ValueError(f"gpu_interval_s must be > 0, got {self.gpu_interval_s}")
         if not self.queue_interval_s > 0:
             raise ValueError(f"queue_interval_s must be > 0, got {self.queue_interval_s}")
+
+
+    def client_processes(self) -> int:
+        """The client processes this run uses: as given, else one per burst share (load.py)."""
+        if self.num_client_processes is not None:
+            return self.num_client_processes
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        return auto_client_processes(self.dataset.num_prompts, self.load, cpus or 1)
 
 
 def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
@@ -97,10 +115,11 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     # its event loop for tens of ms and show up as the server's inter-token latency
     queue = QueueSampler(cfg.target, cfg.queue_interval_s, enabled=cfg.queue_sampler)
     with bar, GpuMonitor(cfg.gpu_interval_s, indices, enabled=cfg.gpu_monitor) as mon, queue, frozen_heap():
-        if cfg.num_client_processes == 1:
+        workers = cfg.client_processes()
+        if workers == 1:
             sent, t0, cpu = _run_in_process(cfg, bodies, records, offsets, tick)
         else:
-            sent, t0, cpu = _run_in_processes(cfg, bodies, records, offsets, tick)
+            sent, t0, cpu = _run_in_processes(cfg, bodies, records, offsets, tick, workers)
     results = summarize(sent, t0, parse_slo(cfg.slo))
     results["server"] = over_run(counters, scrape(cfg.target) if counters is not None else None)
     results["client"] = _client_stats(cfg, sent, cpu, results["duration_s"])
@@ -202,11 +221,11 @@ def _worker(target, bodies, records, offsets, max_conc, max_seconds, conn, resul
         results.put(("error", traceback.format_exc(), 0.0))
 
 
-def _run_in_processes(cfg, bodies, records, offsets, tick):
+def _run_in_processes(cfg, bodies, records, offsets, tick, workers: int):
     """Split one schedule round-robin over spawned processes; they share t0 (CLOCK_MONOTONIC,
     which perf_counter reads on Linux, is the same clock in every process)."""
     ctx = mp.get_context("spawn")
-    shares = split_for_workers(len(records), cfg.num_client_processes)
+    shares = split_for_workers(len(records), workers)
     concs = split_concurrency(cfg.load.max_concurrency, len(shares))
     results, counter, procs, conns = ctx.Queue(), ctx.Value("i", 0), [], []
     for idx, conc in zip(shares, concs):

@@ -132,7 +132,8 @@ def _series(cfg: SweepConfig, base: ServeConfig, show_progress: bool) -> Iterato
             num_warmups=base.num_warmups if i == 0 else 0,
             dataset=replace(base.dataset, num_prompts=prompts, seed=base.dataset.seed + i),
             # a load of concurrency c needs no more than c client processes
-            num_client_processes=min(base.num_client_processes, load.max_concurrency or base.num_client_processes),
+            num_client_processes=None if base.num_client_processes is None else min(
+                base.num_client_processes, load.max_concurrency or base.num_client_processes),
         )  # no cross-point cache hits
         report = run_benchmark(point_cfg, show_progress)
         return _point(label, strategy, load, report)

@@ -5,7 +5,13 @@ import math
 import numpy as np
 import pytest
 
-from tandem.bench.load import LoadConfig, arrival_offsets, split_concurrency, split_for_workers
+from tandem.bench.load import (
+    LoadConfig,
+    arrival_offsets,
+    auto_client_processes,
+    split_concurrency,
+    split_for_workers,
+)
 
 
 def test_inf_sends_everything_at_once():
@@ -56,3 +62,17 @@ def test_split_concurrency():
     assert split_concurrency(7, 3) == [3, 2, 2]
     with pytest.raises(ValueError, match="num_client_processes"):
         split_concurrency(1, 2)
+
+
+def test_auto_client_processes_follow_the_burst_and_the_cores():
+    """All at once: one process per 256 requests sent together, a concurrency cap bounding the
+    burst, at most a quarter of the cores; a finite rate keeps one."""
+    burst = LoadConfig()  # rate inf
+    assert auto_client_processes(1024, burst, cpus=16) == 4
+    assert auto_client_processes(1024, burst, cpus=2) == 1  # a small machine keeps its cores
+    assert auto_client_processes(10_000, burst, cpus=64) == 16
+    assert auto_client_processes(257, burst, cpus=16) == 2
+    assert auto_client_processes(256, burst, cpus=16) == 1
+    assert auto_client_processes(1024, LoadConfig(max_concurrency=300), cpus=16) == 2
+    assert auto_client_processes(1024, LoadConfig(request_rate=500.0), cpus=16) == 1
+    assert auto_client_processes(0, burst, cpus=16) == 1

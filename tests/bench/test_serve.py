@@ -84,6 +84,23 @@ def test_split_over_two_client_processes(stub):
     assert [r["index"] for r in res["requests"]] == list(range(24))
 
 
+def test_a_burst_is_split_over_client_processes_by_default(stub, monkeypatch):
+    """No --num-client-processes: a burst goes out from one process per share (the share made
+    small here, and the machine given 8 cores, so a 24-request run splits in two)."""
+    import tandem.bench.load as load_mod
+    import tandem.bench.serve as serve_mod
+
+    monkeypatch.setattr(load_mod, "REQUESTS_PER_CLIENT_PROCESS", 12)
+    monkeypatch.setattr(serve_mod.os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    with stub(tpot_ms=2) as server:
+        cfg = quick_config(server.base_url, num_prompts=24, output_len=4, num_warmups=0)
+        assert cfg.num_client_processes is None and cfg.client_processes() == 2
+        report = run_benchmark(cfg, show_progress=False)
+    res = report["results"]
+    assert res["completed"] == 24 and res["client"]["processes"] == 2
+    assert [r["index"] for r in res["requests"]] == list(range(24))
+
+
 def test_cli_table_then_one_json_line(stub, tmp_path, capsys):
     out, out_dir = tmp_path / "serve.json", tmp_path / "run"
     with stub(tpot_ms=1) as server:
