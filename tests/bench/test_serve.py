@@ -101,6 +101,16 @@ def test_a_burst_is_split_over_client_processes_by_default(stub, monkeypatch):
     assert [r["index"] for r in res["requests"]] == list(range(24))
 
 
+def test_a_client_process_does_not_import_torch():
+    """A spawned client process imports `tandem.bench.serve` for its target: with torch behind
+    it each of them took seconds to start on a GPU host. `tandem`'s names load on first use."""
+    code = ("import sys, tandem.bench.serve, tandem; assert 'torch' not in sys.modules; "
+            "tandem.SamplingParams; assert 'torch' not in sys.modules; tandem.LLM; "
+            "assert 'torch' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
 def test_cli_table_then_one_json_line(stub, tmp_path, capsys):
     out, out_dir = tmp_path / "serve.json", tmp_path / "run"
     with stub(tpot_ms=1) as server:
