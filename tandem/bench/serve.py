@@ -75,7 +75,7 @@ class ServeConfig:
         parse_slo(self.slo)  # raises with the reason
         if self.num_client_processes is not None and self.num_client_processes < 1:
             raise ValueError(
-                f"num_client_processes must be >= 1 (or None: one per {REQUESTS_PER_CLIENT_PROCESS} "
+                f"num_client_processes must be >= 1 (or unset: one per {REQUESTS_PER_CLIENT_PROCESS} "
                 f"requests sent at once), got {self.num_client_processes}")
         split_concurrency(self.load.max_concurrency, self.client_processes())
         if self.num_warmups < 0:
@@ -125,8 +125,9 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
     results["client"] = _client_stats(cfg, sent, cpu, results["duration_s"])
     timeline = inflight_timeline(sent)
     results["server_queue"] = queue.summary(timeline, (t0, t0 + results["duration_s"]))
+    queue_series = queue.series(t0, t0 + results["duration_s"])
     if results["server_queue"] is not None:
-        results["server_queue"]["series"] = queue.series(t0)
+        results["server_queue"]["series"] = queue_series
     results["gpu_idle_while_busy"] = mon.idle_while_busy(timeline, cfg.idle_util_pct)
     if cfg.ceiling_output_tok_s:
         ceiling = cfg.ceiling_output_tok_s
@@ -140,7 +141,7 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
         rp.write_csv(results["requests"], f"{cfg.output_dir}/requests.csv")
         util = [[r["util"] for r in dev] for dev in mon.samples]
         rp.plot_timeline(f"{cfg.output_dir}/timeline.png", timeline, mon.times, util, t0,
-                         queue=queue.series(t0))
+                         queue=queue_series)
     return rp.make_report("serve", cfg, results, gpu)
 
 

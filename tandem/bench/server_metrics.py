@@ -212,10 +212,12 @@ class QueueSampler:
         return out
 
 
-    def series(self, t0: float) -> dict:
-        """Every sample, column-wise, with times relative to `t0`."""
-        return {"t": [t - t0 for t in self.times], "running": [r[0] for r in self.rows],
-                "waiting": [r[1] for r in self.rows]}
+    def series(self, t0: float, t_end: float) -> dict:
+        """The samples from `t0` to `t_end` (the run: not the client processes' start before
+        it), column-wise, with times relative to `t0`."""
+        kept = [(t - t0, r) for t, r in zip(self.times, self.rows) if t0 <= t <= t_end]
+        return {"t": [t for t, _ in kept], "running": [r[0] for _, r in kept],
+                "waiting": [r[1] for _, r in kept]}
 
 
 def queue_rows(queue: dict | None) -> list[tuple[str, object]]:

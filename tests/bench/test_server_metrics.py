@@ -155,6 +155,9 @@ def test_queue_states_say_what_held_the_batch_below_its_peak():
     assert got["states"] == {"full": 0.4, "queued_in_engine": 0.2, "not_yet_in_engine": 0.2,
                              "nothing_to_run": 0.2}
     assert got["kv_cache_usage_max"] == 0.5
+    # the series the report keeps and plots: the run's samples (t0 = 1.0 to 11.0), times from t0
+    assert q.series(1.0, 11.0) == {"t": [0.0, 1.0, 2.0, 3.0, 10.0], "running": [4, 4, 3, 2, 2],
+                                   "waiting": [4, 2, 1, 0, 0]}
     rows = dict(queue_rows(got))
     assert rows["running: mean / peak"] == "3.0 / 4"
     assert rows["  below it, requests not yet in the engine"] == 0.2
