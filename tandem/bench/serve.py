@@ -85,7 +85,6 @@ class ServeConfig:
         if not self.queue_interval_s > 0:
             raise ValueError(f"queue_interval_s must be > 0, got {self.queue_interval_s}")
 
-
     def client_processes(self) -> int:
         """The client processes this run uses: as given, else one per burst share (load.py)."""
         if self.num_client_processes is not None:
