@@ -99,9 +99,9 @@ class StepInputBuilder:
                 # chunk of a longer prompt); a placeholder reads 0 here, filled on the device
                 parts64["ids"] = np.array([t[a] if a < k else 0 for t, a, k in
                                            zip(token_lists, starts_list, known.tolist())], dtype=np.int64)
-            positions = starts
-            seq_index = np.arange(B)
-            if K > 1:  # [K, width] flat: step k's positions (padding columns repeat the last row)
+            if K == 1:
+                seq_index, positions = np.arange(B), starts
+            else:  # [K, width] flat: step k's positions (padding columns repeat the last row)
                 seq_index = np.tile(np.minimum(np.arange(width), B - 1), K)
                 positions = starts[seq_index] + np.repeat(np.arange(K), width)
         else:

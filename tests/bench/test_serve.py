@@ -109,6 +109,9 @@ def test_a_client_process_does_not_import_torch():
             "assert 'torch' in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+    import tandem
+
+    assert sorted(tandem.__all__) == sorted(tandem._EXPORTS)  # the names listed twice agree
 
 
 def test_cli_table_then_one_json_line(stub, tmp_path, capsys):
