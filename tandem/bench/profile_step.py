@@ -1,7 +1,8 @@
 """Where a decode step's time goes: wall time, GPU kernel time, top kernels, host-side time.
 
-    from tandem.bench.profile_step import profile_decode
+    from tandem.bench.profile_step import profile_decode, profile_prefill
     profile_decode(llm, num_steps=20, trace_path="decode.json")
+    profile_prefill(llm)  # prompt-only steps of a full token budget, the same breakdown
 
 Fills the engine with a decode-heavy batch of its own, runs the prefills, times `num_steps`
 decode steps without the profiler (wall ms per step), then `num_steps` more under torch.profiler
@@ -127,12 +128,17 @@ def _sync(device: torch.device) -> None:
 
 
 def _ceiling_ms(engine, batch: int, context_per_seq: float) -> float | None:
-    from tandem.bench.roofline import ModelShape, decode_step_seconds
+    from tandem.bench.roofline import ModelShape, decode_step_seconds, device_ceilings
 
+    if engine.device.type != "cuda":
+        return None
+    hbm, flops, _ = device_ceilings()
+    if hbm is None or flops is None:
+        return None  # a GPU measured nowhere here: no roofline rather than a wrong one
     try:
         dtype_bytes = torch.empty((), dtype=engine.worker.dtype).element_size()
         shape = ModelShape.from_hf_config(engine.hf_config, dtype_bytes)
-        return 1e3 * decode_step_seconds(shape, batch, int(batch * context_per_seq))
+        return 1e3 * decode_step_seconds(shape, batch, int(batch * context_per_seq), hbm, flops)
     except (AttributeError, TypeError):
         return None
 
@@ -158,6 +164,9 @@ def profile_decode(
     warmup = 3
     window = engine.config.num_scheduler_steps  # each phase may run up to a window past its count
     max_tokens = warmup + 2 * num_steps + 2 + 3 * window
+    if engine.max_model_len < max_tokens + 2:
+        raise ValueError(f"profile_decode runs {max_tokens} decode tokens a sequence: max_model_len "
+                         f"{engine.max_model_len} leaves no room for them (needs >= {max_tokens + 2})")
     prompt_len = max(1, min(prompt_len, engine.max_model_len - max_tokens - 1))
     bs = engine.config.block_size
     blocks_per_seq = -(-(prompt_len + max_tokens) // bs)
@@ -188,6 +197,92 @@ def profile_decode(
     return result
 
 
+def profile_prefill(
+    llm,
+    num_steps: int = 3,
+    prompt_len: int = 128,
+    seed: int = 0,
+    verbose: bool = True,
+) -> dict:
+    """Profile prompt-only steps of `llm` (a `tandem.LLM`): each step a fresh batch of random
+    prompts that fills the step's token budget (`max_num_batched_tokens`), computed in one engine
+    step and aborted after it. Reports the wall time a step (device synchronised), the kernels by
+    category, and the fraction of the prompt floor (the step's GEMM FLOPs at peak,
+    `tandem.bench.roofline.prefill_floor_seconds`) where the device's ceilings are known."""
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("profile_prefill needs an idle engine; it has unfinished requests")
+    if getattr(llm, "tp_workers", None) is not None:
+        raise ValueError("profile_prefill drives the engine step by step: not with spawned "
+                         "tensor-parallel ranks")
+    device = engine.device
+    budget = engine.config.max_num_batched_tokens
+    prompt_len = max(1, min(prompt_len, budget, engine.max_model_len - 2))
+    blocks_per_seq = -(-(prompt_len + 2) // engine.config.block_size)
+    batch = max(1, min(engine.config.max_num_seqs, budget // prompt_len,
+                       engine.num_blocks // blocks_per_seq))
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+
+    seeds = iter(range(seed, seed + 1 + 2 * num_steps))
+    hits_before = engine.block_manager.num_prefix_hits
+
+    def one_step(label: bool) -> None:
+        # prompts of their own each step: the same prompts again would be prefix-cache hits
+        ids = _add_batch(engine, batch, prompt_len, 2, next(seeds))
+        try:
+            if label:
+                with record_function(STEP):
+                    engine.step()
+            else:
+                engine.step()
+            _sync(device)
+        finally:
+            engine.abort_request(ids)
+            while engine.has_unfinished_requests():  # an in-flight step's read-back, if any
+                engine.step()
+
+    one_step(False)  # warm-up: this shape's kernels and allocations
+    times = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        one_step(False)
+        times.append(time.perf_counter() - t0)
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            one_step(True)
+    if engine.block_manager.num_prefix_hits != hits_before:
+        raise RuntimeError("profile_prefill's prompts hit the prefix cache: the steps did not compute "
+                           "every prompt token")
+    events = _events(prof)
+    result = {"kind": "prefill", "batch": batch, "prompt_len": prompt_len,
+              "tokens_per_step": batch * prompt_len, "wall_ms": 1e3 * sorted(times)[len(times) // 2],
+              **summarize(events, num_steps)}
+    floor = _prefill_floor_ms(engine, batch * prompt_len)
+    if floor is not None:
+        result["floor_ms"] = floor
+        result["floor_fraction"] = floor / result["wall_ms"]
+    if verbose:
+        print_profile(result)
+    return result
+
+
+def _prefill_floor_ms(engine, tokens: int) -> float | None:
+    from tandem.bench.roofline import ModelShape, device_ceilings, prefill_floor_seconds
+
+    if engine.device.type != "cuda":
+        return None
+    _, flops, _ = device_ceilings()
+    if flops is None:
+        return None
+    try:
+        shape = ModelShape.from_hf_config(engine.hf_config)
+    except (AttributeError, TypeError):
+        return None
+    return 1e3 * prefill_floor_seconds(shape, tokens, flops)
+
+
 def _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, seed, activities):
     """Drive the engine step by step: time `num_steps` decode steps, then profile as many (at
     least: a decode window runs several per engine step). Returns the ms per decode step, the
@@ -201,6 +296,8 @@ def _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, see
     def run(n, each=lambda: engine.step()):
         start = decode_steps()
         while decode_steps() - start < n:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"the batch finished after {decode_steps() - start} of {n} decode steps")
             each()
         return decode_steps() - start
 
@@ -269,10 +366,16 @@ def _profile_mirrored(llm, batch, prompt_len, max_tokens, num_steps, warmup, see
 
 
 def print_profile(r: dict) -> None:
-    line = (f"decode profile: batch {r['batch']}, prompt {r['prompt_len']}, "
-            f"{r['num_steps']} steps | wall {r['wall_ms']:.2f} ms/step")
-    if "ceiling_ms" in r:
-        line += f" (ceiling {r['ceiling_ms']:.2f} ms, {100 * r['roofline_fraction']:.0f}% of it)"
+    if r.get("kind") == "prefill":
+        line = (f"prefill profile: {r['batch']} prompts of {r['prompt_len']} tokens a step "
+                f"({r['tokens_per_step']} tokens), {r['num_steps']} steps | wall {r['wall_ms']:.2f} ms/step")
+        if "floor_ms" in r:
+            line += (f" (GEMM floor {r['floor_ms']:.2f} ms, {100 * r['floor_fraction']:.0f}% of it)")
+    else:
+        line = (f"decode profile: batch {r['batch']}, prompt {r['prompt_len']}, "
+                f"{r['num_steps']} steps | wall {r['wall_ms']:.2f} ms/step")
+        if "ceiling_ms" in r:
+            line += f" (ceiling {r['ceiling_ms']:.2f} ms, {100 * r['roofline_fraction']:.0f}% of it)"
     print(line)
     print(f"  under the profiler: step {r['step_ms']:.2f} ms = host busy {r['host_busy_ms']:.2f}"
           f" + waiting on the GPU {r['host_wait_ms']:.2f}")

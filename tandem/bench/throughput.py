@@ -70,7 +70,7 @@ class ThroughputConfig:
     async_engine: bool = False
     stream_interval: int = 1  # EngineConfig.stream_interval (with async_engine)
     tokenizer: str | None = None  # EngineConfig.tokenizer: text for random weights (async_engine)
-    profile: bool = False  # after the timed run, profile decode steps (torch.profiler)
+    profile: bool = False  # after the timed run, profile decode steps and prompt steps (torch.profiler)
     hbm_bytes_per_s: float | None = None  # None: the device's, where known (roofline.py)
     peak_flops: float | None = None
     output: str | None = None
@@ -227,10 +227,12 @@ def run_tandem(
     add_step_figures(fig, eng.step_stats, eng.device_wait_s,
                      eng.block_manager.num_prefix_hits - hits_before, eng.config.num_scheduler_steps)
     if cfg.profile:
-        from tandem.bench.profile_step import profile_decode
+        from tandem.bench.profile_step import profile_decode, profile_prefill
 
         fig["profile"] = profile_decode(llm, num_steps=20, batch=min(len(prompts), cfg.max_num_seqs),
                                         prompt_len=max(map(len, prompts)))
+        if getattr(llm, "tp_workers", None) is None:  # (it drives the engine step by step)
+            fig["profile_prefill"] = profile_prefill(llm, prompt_len=max(map(len, prompts)))
     fig.update(
         kv_cache_blocks=eng.num_blocks,
         preemptions=eng.scheduler.num_preemptions,
@@ -504,7 +506,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host-only", action="store_true",
                    help="no forward or sampling, a fixed token a row: the engine's host work a token "
                    "(the ceiling the host sets, whatever the model)")
-    p.add_argument("--profile", action="store_true", help="profile decode steps after the timed run")
+    p.add_argument("--profile", action="store_true", help="profile decode steps and prompt-only steps after the timed run")
     p.add_argument("--async-engine", action="store_true",
                    help="run tandem through AsyncLLM, the engine in a process of its own as `tandem "
                    "serve` runs it, each request streaming its outputs, without HTTP (vLLM's flag)")

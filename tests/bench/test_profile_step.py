@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_fixtures import make_tiny_model
 
-from tandem import LLM
+from tandem import LLM, SamplingParams
 from tandem.bench.profile_step import STEP, Event, category, profile_decode, summarize
 
 
@@ -55,6 +55,8 @@ def test_profile_decode_end_to_end(tmp_path, capsys):
     window = llm.llm_engine.config.num_scheduler_steps
     assert r["batch"] == 8 and 3 <= r["num_steps"] < 3 + window
     assert r["wall_ms"] > 0 and r["step_ms"] > 0
+    if not on_gpu:
+        assert "ceiling_ms" not in r  # no roofline claimed for a CPU
     if on_gpu:
         assert r["gpu_busy_ms"] > 0 and r["top_kernels"]
         assert sum(c["share"] for c in r["categories"].values()) == pytest.approx(1.0)
@@ -82,3 +84,59 @@ def test_profile_decode_with_spawned_tensor_parallel_ranks():
         assert llm.llm_engine.num_free_blocks() == llm.llm_engine.num_blocks
     finally:
         llm.tp_workers.shutdown()
+
+
+def test_profile_prefill_end_to_end(capsys):
+    """Prompt-only steps of a full token budget: the engine is left idle with every block free."""
+    from tandem.bench.profile_step import profile_prefill
+
+    on_gpu = torch.cuda.is_available()
+    model = make_tiny_model("llama").to("cuda" if on_gpu else "cpu")
+    llm = LLM(model, block_size=4, max_num_seqs=8, max_num_batched_tokens=48, gpu_memory_utilization=0.1)
+    engine = llm.llm_engine
+    free = engine.block_manager.num_free_blocks
+    r = profile_prefill(llm, num_steps=2, prompt_len=10)
+    assert r["kind"] == "prefill" and r["batch"] == 4 and r["tokens_per_step"] == 40  # 48 // 10 prompts
+    assert r["num_steps"] == 2 and r["wall_ms"] > 0 and r["step_ms"] > 0
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks == free
+    if on_gpu:
+        assert r["gpu_busy_ms"] > 0
+    else:
+        assert r["top_cpu_ops"] and "floor_ms" not in r
+    assert "prefill profile: 4 prompts of 10 tokens a step (40 tokens), 2 steps" in capsys.readouterr().out
+    rid = engine.add_request(None, [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        profile_prefill(llm)
+    engine.abort_request(rid)
+
+
+def test_profile_decode_refuses_a_max_model_len_without_room():
+    """A batch that would finish before the steps asked for is refused up front, never looped on."""
+    llm = LLM(make_tiny_model("llama"), block_size=4, max_num_seqs=4, max_model_len=40)
+    with pytest.raises(ValueError, match="max_model_len 40 leaves no room"):
+        profile_decode(llm, num_steps=20)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_profile_prefill_steps_compute_every_prompt_token():
+    """Each step's prompts are its own: with the prefix cache on, none of them is a cache hit, so
+    a step computes its full token budget (the same prompts again would cost one block's worth)."""
+    from tandem.bench.profile_step import profile_prefill
+
+    llm = LLM(make_tiny_model("llama"), block_size=4, max_num_seqs=8, max_num_batched_tokens=48,
+              enable_prefix_caching=True)
+    engine = llm.llm_engine
+    computed = []
+    step = engine.step
+
+    def counting_step():
+        before = engine.step_stats["prefill_or_mixed"][0]
+        out = step()
+        if engine.step_stats["prefill_or_mixed"][0] > before:
+            computed.append(engine.block_manager.num_prefix_hits)
+        return out
+
+    engine.step = counting_step
+    r = profile_prefill(llm, num_steps=3, prompt_len=12, verbose=False)
+    assert r["tokens_per_step"] == 48 and len(computed) == 7  # warm-up, 3 timed, 3 profiled
+    assert computed == [computed[0]] * 7  # no prefix-cache hit in any of them

@@ -113,6 +113,21 @@ def test_run_reports_phases_against_given_ceilings(capsys):
     assert "tandem phases: steps with prompt tokens" in capsys.readouterr().out
 
 
+def test_profile_adds_a_decode_and_a_prompt_step_profile(capsys, tiny_llama_dir):
+    """--profile: after the timed run, decode steps and prompt-only steps of the run's prompt
+    length, each in the report and printed."""
+    from tandem.bench.throughput import run
+
+    # (max_model_len is the run's longest request: room for the profile's 57 decode tokens)
+    cfg = ThroughputConfig(model=tiny_llama_dir, num_prompts=4, input_len=8, output_len=60, dtype="float32",
+                           max_num_batched_tokens=32, profile=True, progress=False)
+    fig = run(cfg)["results"]["tandem"]
+    assert fig["profile"]["batch"] == 4 and fig["profile"]["num_steps"] >= 20
+    assert fig["profile_prefill"]["kind"] == "prefill" and fig["profile_prefill"]["tokens_per_step"] == 32
+    out = capsys.readouterr().out
+    assert "decode profile: batch 4" in out and "prefill profile: 4 prompts of 8 tokens a step" in out
+
+
 def test_async_engine_times_the_same_requests_through_the_serving_engine(capsys, tiny_llama_dir):
     """--async-engine: the engine in its own process, every request streamed in deltas with its
     text made here; the same figures as the offline run (every output token, the engine's steps)."""
