@@ -54,7 +54,8 @@ def decode_inputs(args, context: int, seed: int) -> dict:
     )
     if args.random_lengths:  # the same lengths in every cache set
         gen = torch.Generator().manual_seed(1234)
-        seq_lens = torch.randint(1, context + 1, (args.batch,), generator=gen, dtype=torch.int32)
+        lo = min(max(1, args.min_length), context)
+        seq_lens = torch.randint(lo, context + 1, (args.batch,), generator=gen, dtype=torch.int32)
         seq_lens = seq_lens.cuda()
     else:
         seq_lens = torch.full((args.batch,), context, dtype=torch.int32, device="cuda")
@@ -213,7 +214,10 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--random-lengths", action="store_true",
-                   help="seq_lens uniform in [1, context] instead of all equal to it")
+                   help="seq_lens uniform in [--min-length, context] instead of all equal to it")
+    p.add_argument("--min-length", type=int, default=1,
+                   help="the shortest random length (gen-1.5b-long's decode: a prompt of 100-1024 "
+                        "plus the tokens so far)")
     p.add_argument("--baseline", help="a decode_attention.py to time beside the current one")
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 8],
@@ -270,7 +274,7 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}  {args.dtype}  batch {args.batch}  heads "
           f"{args.heads}/{args.kv_heads}  head_dim {args.head_dim}  block_size {args.block_size}"
-          f"  lengths {'random' if args.random_lengths else 'equal'}  default config "
+          f"  lengths {f'random from {args.min_length}' if args.random_lengths else 'equal'}  default config "
           f"{default_cfg}")
     print_decode(rows)
     print("(* default split count; decode timed in CUDA graphs with L2 defeated)")
