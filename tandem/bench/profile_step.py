@@ -12,6 +12,8 @@ aborted afterwards, so the engine is left as it was found. On a CPU only host op
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
 import re
 import time
@@ -127,20 +129,38 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ceiling_ms(engine, batch: int, context_per_seq: float) -> float | None:
-    from tandem.bench.roofline import ModelShape, decode_step_seconds, device_ceilings
+def _roofline_inputs(engine):
+    """(model shape, HBM bytes/s, FLOP/s) where the device's ceilings are known, else None (a CPU,
+    or a GPU measured nowhere here: no roofline rather than a wrong one)."""
+    from tandem.bench.roofline import ModelShape, device_ceilings
 
     if engine.device.type != "cuda":
         return None
     hbm, flops, _ = device_ceilings()
     if hbm is None or flops is None:
-        return None  # a GPU measured nowhere here: no roofline rather than a wrong one
+        return None
     try:
         dtype_bytes = torch.empty((), dtype=engine.worker.dtype).element_size()
-        shape = ModelShape.from_hf_config(engine.hf_config, dtype_bytes)
-        return 1e3 * decode_step_seconds(shape, batch, int(batch * context_per_seq), hbm, flops)
+        return ModelShape.from_hf_config(engine.hf_config, dtype_bytes), hbm, flops
     except (AttributeError, TypeError):
         return None
+
+
+def _ceiling_ms(engine, batch: int, context_per_seq: float) -> float | None:
+    from tandem.bench.roofline import decode_step_seconds
+
+    known = _roofline_inputs(engine)
+    if known is None:
+        return None
+    shape, hbm, flops = known
+    return 1e3 * decode_step_seconds(shape, batch, int(batch * context_per_seq), hbm, flops)
+
+
+def _prefill_floor_ms(engine, tokens: int) -> float | None:
+    from tandem.bench.roofline import prefill_floor_seconds
+
+    known = _roofline_inputs(engine)
+    return None if known is None else 1e3 * prefill_floor_seconds(known[0], tokens, known[2])
 
 
 def profile_decode(
@@ -225,17 +245,14 @@ def profile_prefill(
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
 
-    seeds = iter(range(seed, seed + 1 + 2 * num_steps))
+    seeds = itertools.count(seed)
     hits_before = engine.block_manager.num_prefix_hits
 
     def one_step(label: bool) -> None:
         # prompts of their own each step: the same prompts again would be prefix-cache hits
         ids = _add_batch(engine, batch, prompt_len, 2, next(seeds))
         try:
-            if label:
-                with record_function(STEP):
-                    engine.step()
-            else:
+            with record_function(STEP) if label else contextlib.nullcontext():
                 engine.step()
             _sync(device)
         finally:
@@ -266,21 +283,6 @@ def profile_prefill(
     if verbose:
         print_profile(result)
     return result
-
-
-def _prefill_floor_ms(engine, tokens: int) -> float | None:
-    from tandem.bench.roofline import ModelShape, device_ceilings, prefill_floor_seconds
-
-    if engine.device.type != "cuda":
-        return None
-    _, flops, _ = device_ceilings()
-    if flops is None:
-        return None
-    try:
-        shape = ModelShape.from_hf_config(engine.hf_config)
-    except (AttributeError, TypeError):
-        return None
-    return 1e3 * prefill_floor_seconds(shape, tokens, flops)
 
 
 def _profile_steps(engine, batch, prompt_len, max_tokens, num_steps, warmup, seed, activities):

@@ -229,10 +229,11 @@ def run_tandem(
     if cfg.profile:
         from tandem.bench.profile_step import profile_decode, profile_prefill
 
+        prompt_len = max(map(len, prompts))
         fig["profile"] = profile_decode(llm, num_steps=20, batch=min(len(prompts), cfg.max_num_seqs),
-                                        prompt_len=max(map(len, prompts)))
+                                        prompt_len=prompt_len)
         if getattr(llm, "tp_workers", None) is None:  # (it drives the engine step by step)
-            fig["profile_prefill"] = profile_prefill(llm, prompt_len=max(map(len, prompts)))
+            fig["profile_prefill"] = profile_prefill(llm, prompt_len=prompt_len)
     fig.update(
         kv_cache_blocks=eng.num_blocks,
         preemptions=eng.scheduler.num_preemptions,
