@@ -112,7 +112,7 @@ def _events(prof) -> list[Event]:
     return out
 
 
-def _add_batch(engine, batch: int, prompt_len: int, max_tokens: int, seed: int) -> list[str]:
+def _add_batch(engine, batch: int, prompt_len: int, max_tokens: int, seed: int | str) -> list[str]:
     from tandem.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -245,7 +245,9 @@ def profile_prefill(
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
 
-    seeds = itertools.count(seed)
+    # Seeds of their own (strings: the decode profile's and every other caller's are ints), so no
+    # prompt here repeats one an earlier run left in the prefix cache.
+    seeds = (f"profile_prefill:{seed}:{i}" for i in itertools.count())
     hits_before = engine.block_manager.num_prefix_hits
 
     def one_step(label: bool) -> None:

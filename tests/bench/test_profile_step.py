@@ -140,3 +140,18 @@ def test_profile_prefill_steps_compute_every_prompt_token():
     r = profile_prefill(llm, num_steps=3, prompt_len=12, verbose=False)
     assert r["tokens_per_step"] == 48 and len(computed) == 7  # warm-up, 3 timed, 3 profiled
     assert computed == [computed[0]] * 7  # no prefix-cache hit in any of them
+
+
+def test_profile_prefill_after_profile_decode_on_one_engine():
+    """`bench throughput --profile` runs the decode profile, then the prompt profile, on one engine
+    with the prefix cache on: the prompt steps must not meet the decode profile's prompts there
+    (they once did: both drew prompts from seed 0)."""
+    from tandem.bench.profile_step import profile_prefill
+
+    llm = LLM(make_tiny_model("llama"), block_size=4, max_num_seqs=4, max_num_batched_tokens=48,
+              max_model_len=96, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    profile_decode(llm, num_steps=2, prompt_len=12, verbose=False)
+    hits = engine.block_manager.num_prefix_hits
+    r = profile_prefill(llm, num_steps=2, prompt_len=12, verbose=False)
+    assert r["tokens_per_step"] == 48 and engine.block_manager.num_prefix_hits == hits
