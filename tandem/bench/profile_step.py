@@ -250,24 +250,24 @@ def profile_prefill(
     seeds = (f"profile_prefill:{seed}:{i}" for i in itertools.count())
     hits_before = engine.block_manager.num_prefix_hits
 
-    def one_step(label: bool) -> None:
+    def one_step(label: bool) -> float:
+        """Seconds of the prompt step alone (adding the requests and aborting them not counted)."""
         # prompts of their own each step: the same prompts again would be prefix-cache hits
         ids = _add_batch(engine, batch, prompt_len, 2, next(seeds))
         try:
+            _sync(device)
+            t0 = time.perf_counter()
             with record_function(STEP) if label else contextlib.nullcontext():
                 engine.step()
             _sync(device)
+            return time.perf_counter() - t0
         finally:
             engine.abort_request(ids)
             while engine.has_unfinished_requests():  # an in-flight step's read-back, if any
                 engine.step()
 
     one_step(False)  # warm-up: this shape's kernels and allocations
-    times = []
-    for _ in range(num_steps):
-        t0 = time.perf_counter()
-        one_step(False)
-        times.append(time.perf_counter() - t0)
+    times = [one_step(False) for _ in range(num_steps)]
     with profile(activities=activities) as prof:
         for _ in range(num_steps):
             one_step(True)
