@@ -1,20 +1,31 @@
-"""Triton sampling for the common case: temperature, Gumbel-max and the sampled token's logprob in
-one read of the logits, with no [S, V] intermediate.
+"""Triton sampling for the common case: temperature, a draw from softmax(x / T), and the sampled
+token's logprob, in one read of the logits and one small pass, with no [S, V] intermediate.
 
-Row r draws token argmax_i(x_i / T_r + G_i), G_i = -log(E_i) with E_i ~ Exp(1), which is a draw
-from softmax(x / T_r) (the exponential race of `tandem.layers.sampler`, in log space). Greedy rows
-take argmax_i x_i (first index on ties, like torch.argmax). The noise of row r comes from Philox
-keyed by `seeds[r]` and counted by column, so it depends on that seed alone: not on the batch
-size, the row's position, or how the row is split among programs. The logprob is
-x_t - logsumexp(x) (or the same of x / T with `processed`), summed in the same pass.
+The vocabulary is cut into chunks of BLOCK columns, fixed by BLOCK alone (never by the batch
+size). A draw is two-level and exact in distribution:
 
-Each row is cut into chunks of whole BLOCK columns; one program per (row, chunk) writes partial
-results that a second kernel merges per row. No host synchronisation anywhere.
+1. `_chunk_kernel`, one program per (row, chunk): the chunk's max and sum of exp2 of
+   x / T (in log2 units), and for greedy rows its argmax. One exp a column: no noise here.
+2. `_sample_merge_kernel`, one program per row: the row's log-sum-exp from the chunks; a chunk
+   drawn with probability its share of the row's mass (one uniform u: the first chunk whose
+   running mass passes u times the total); then a token inside it by Gumbel-max,
+   argmax_i(x_i / T + G_i), which draws from softmax restricted to the chunk. P(token) =
+   P(chunk) * P(token | chunk) = softmax(x / T)[token].
+
+The first design ran Gumbel-max over every column (Philox and two logs per column) and was
+ALU-bound at 0.12 ms for 256 rows of a 151,936-token vocabulary on an H200; here the noise is
+drawn for one chunk a row. Chunk masses are summed in fp32 in a fixed order, so an inverse-CDF
+step over the ~40 chunks (not over every token, where tiny probabilities would vanish into a
+running sum) misplaces at most a few ulps of the row's mass.
+
+The noise of row r comes from Philox keyed by `seeds[r]` (the chunk's uniform at a counter no
+column uses, each column's Gumbel at the column's counter), so a row's token depends on its
+logits and seed alone: not on the batch size or the row's position. Greedy rows take
+argmax_i x_i (first index on ties, like torch.argmax). The logprob is x_t - logsumexp(x) (or
+the same of x / T with `processed`). No host synchronisation anywhere.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -23,8 +34,9 @@ from triton.language.extra.cuda import gdc_wait, libdevice
 
 from tandem.kernels import pdl
 
-BLOCK = 4096  # columns per loop step; fixes the noise layout, so it must not depend on shapes
-SUB = BLOCK // 4  # one Philox call yields 4 words: one for each quarter of the block
+BLOCK = 4096  # columns a chunk; fixes the chunks and the noise layout, so no shape may change it
+SUB = BLOCK // 4  # one Philox call yields 4 words: one for each quarter of a chunk
+CHUNK_COUNTER = tl.constexpr(0x7FFFFFFF)  # the Philox counter of a row's chunk uniform: past every column's
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -39,128 +51,172 @@ def _log2(x, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
+def _unit(r):
+    """32 random bits -> a uniform in (0, 1), never 0 or 1 in fp32."""
+    return tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)
+
+
+@triton.jit
 def _gumbel(r, FAST_LOG: tl.constexpr):
     """Gumbel noise from 32 random bits, up to a constant: -log(E) with E = -log(1 - w) ~ Exp(1),
     w in (0, 1). E is accurate near 0 (the Gumbel upper tail, where sampling is decided) by a
     series instead of 1 - w rounding to 1. Both logs in base 2: E / ln 2 and a shift of the score
     by log(ln 2), the same for every column, leave the argmax alone."""
-    w = tl.minimum((r.to(tl.float32) + 0.5) * 2.3283064365386963e-10, 0.99999994)  # < 1 in fp32
+    w = _unit(r)
     e2 = tl.where(w < 1e-3, w * (1.0 + 0.5 * w) * LOG2E, -_log2(1.0 - w, FAST_LOG))
     return -LN2 * _log2(e2, FAST_LOG)
 
 
 @triton.jit
-def _scan(x, r, cols, inv_t, greedy, m, s, best, best_idx,
-          SAMPLE: tl.constexpr, PROCESSED: tl.constexpr, FAST_LOG: tl.constexpr):
-    """Folds one sub-block of fp32 logits x (-inf where masked) into the running state."""
-    lp = x * inv_t if PROCESSED else x
-    m_new = tl.maximum(m, tl.max(lp, 0))
+def _fold(y, m, s):
+    """Folds y (log2 units, -inf where masked) into a running (max, sum of exp2(y - max))."""
+    m_new = tl.maximum(m, tl.max(y, 0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(lp - m_safe), 0)
-    if SAMPLE:
-        score = tl.where(greedy, x, x * inv_t + _gumbel(r, FAST_LOG))
-    else:
-        score = x
-    block_best, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+    return m_new, s * tl.exp2(m - m_safe) + tl.sum(tl.exp2(y - m_safe), 0)
+
+
+@triton.jit
+def _fold_best(x, cols, best, best_idx):
+    """Folds x into a running (max, first index of it)."""
+    block_best, i = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
     better = block_best > best
-    best = tl.where(better, block_best, best)
-    best_idx = tl.where(better, tl.min(cols, 0) + i, best_idx)
-    return m_new, s, best, best_idx
+    return tl.where(better, block_best, best), tl.where(better, tl.min(cols, 0) + i, best_idx)
 
 
-# The batch size sets the chunking; those arguments are not specialized on, so a serving engine
-# whose batch size wanders compiles one variant, not one per size class mid-request.
-@triton.jit(do_not_specialize=["blocks_per_chunk", "num_chunks"])
-def _sample_chunk_kernel(
+@triton.jit
+def _load_sub(base, c, vocab):
+    return tl.load(base + c, mask=c < vocab, other=-float("inf")).to(tl.float32)
+
+
+# The batch size sets only the grid: one compiled variant for every batch.
+@triton.jit
+def _chunk_kernel(
+    logits_ptr, inv_t_ptr, greedy_ptr,
+    part_m_ptr, part_s_ptr, part_rm_ptr, part_rs_ptr, part_best_ptr, part_idx_ptr,
+    vocab, stride_row, num_chunks,
+    SAMPLE: tl.constexpr,
+    PROCESSED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Per (row, chunk): (max, sum) of exp2 over y = x / T in log2 units (the sampling
+    distribution; a greedy row has T = 1), the same of the raw x where the logprob is of the raw
+    logits and T != 1, and a greedy row's argmax."""
+    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
+        gdc_wait()
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    scale = tl.load(inv_t_ptr + row) * LOG2E
+    greedy = True
+    if SAMPLE:
+        greedy = tl.load(greedy_ptr + row) != 0
+    if PROCESSED:
+        raw_too = False
+    else:  # the logprob is of the raw logits: its sums differ from the draw's where T != 1
+        raw_too = scale != LOG2E
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    offs = chunk * BLOCK + tl.arange(0, SUB)
+    m = -float("inf")
+    s = 0.0
+    rm = -float("inf")
+    rs = 0.0
+    best = -float("inf")
+    best_idx = chunk * BLOCK
+    for q in tl.static_range(4):
+        x = _load_sub(base, offs + q * SUB, vocab)
+        m, s = _fold(x * scale, m, s)
+        if raw_too:
+            rm, rs = _fold(x * LOG2E, rm, rs)
+        if greedy:
+            best, best_idx = _fold_best(x, offs + q * SUB, best, best_idx)
+    if not raw_too:
+        rm = m
+        rs = s
+    out = row * num_chunks + chunk
+    tl.store(part_m_ptr + out, m)
+    tl.store(part_s_ptr + out, s)
+    tl.store(part_rm_ptr + out, rm)
+    tl.store(part_rs_ptr + out, rs)
+    tl.store(part_best_ptr + out, best)
+    tl.store(part_idx_ptr + out, best_idx)
+
+
+@triton.jit
+def _lse2(m, s):
+    """log2 of sum_c s_c * 2^m_c over the chunks; -inf when every column is masked."""
+    top = tl.max(m, 0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    return top_safe + tl.log2(tl.sum(s * tl.exp2(m - top_safe), 0))
+
+
+@triton.jit
+def _sample_merge_kernel(
     logits_ptr, inv_t_ptr, greedy_ptr, seeds_ptr,
-    part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
-    vocab, stride_row, blocks_per_chunk, num_chunks,
+    part_m_ptr, part_s_ptr, part_rm_ptr, part_rs_ptr, part_best_ptr, part_idx_ptr,
+    token_ptr, logprob_ptr, token_lp_ptr,
+    vocab, stride_row, num_chunks,
     SAMPLE: tl.constexpr,
     PROCESSED: tl.constexpr,
     FAST_LOG: tl.constexpr,
     BLOCK: tl.constexpr,
     SUB: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
-        gdc_wait()
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    inv_t = tl.load(inv_t_ptr + row)
-    if SAMPLE:
-        greedy = tl.load(greedy_ptr + row) != 0
-        seed = tl.load(seeds_ptr + row)
-    else:
-        greedy = True
-        seed = 0
-    m = -float("inf")
-    s = 0.0
-    best = -float("inf")
-    first_block = chunk * blocks_per_chunk
-    best_idx = first_block * BLOCK
-    offs = tl.arange(0, SUB)
-    base = logits_ptr + row64 * stride_row
-    n_blocks = tl.cdiv(vocab, BLOCK)
-    for b in range(first_block, tl.minimum(first_block + blocks_per_chunk, n_blocks)):
-        if SAMPLE:
-            r0, r1, r2, r3 = tl.randint4x(seed, b * SUB + offs)
-        else:  # unused
-            r0 = offs
-            r1 = offs
-            r2 = offs
-            r3 = offs
-        c0 = b * BLOCK + offs
-        c1 = c0 + SUB
-        c2 = c1 + SUB
-        c3 = c2 + SUB
-        x0 = tl.load(base + c0, mask=c0 < vocab, other=-float("inf")).to(tl.float32)
-        x1 = tl.load(base + c1, mask=c1 < vocab, other=-float("inf")).to(tl.float32)
-        x2 = tl.load(base + c2, mask=c2 < vocab, other=-float("inf")).to(tl.float32)
-        x3 = tl.load(base + c3, mask=c3 < vocab, other=-float("inf")).to(tl.float32)
-        m, s, best, best_idx = _scan(x0, r0, c0, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED, FAST_LOG)
-        m, s, best, best_idx = _scan(x1, r1, c1, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED, FAST_LOG)
-        m, s, best, best_idx = _scan(x2, r2, c2, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED, FAST_LOG)
-        m, s, best, best_idx = _scan(x3, r3, c3, inv_t, greedy, m, s, best, best_idx,
-                                     SAMPLE, PROCESSED, FAST_LOG)
-    out = row * num_chunks + chunk
-    tl.store(part_m_ptr + out, m)
-    tl.store(part_s_ptr + out, s)
-    tl.store(part_best_ptr + out, best)
-    tl.store(part_idx_ptr + out, best_idx)
-
-
-@triton.jit(do_not_specialize=["num_chunks"])
-def _sample_merge_kernel(
-    logits_ptr, inv_t_ptr, part_m_ptr, part_s_ptr, part_best_ptr, part_idx_ptr,
-    token_ptr, logprob_ptr, token_lp_ptr,
-    stride_row, num_chunks,
-    PROCESSED: tl.constexpr,
     BLOCK_C: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_C)
-    mask = offs < num_chunks
-    part = row * num_chunks + offs
-    m = tl.load(part_m_ptr + part, mask=mask, other=-float("inf"))
-    s = tl.load(part_s_ptr + part, mask=mask, other=0.0)
-    best = tl.load(part_best_ptr + part, mask=mask, other=-float("inf"))
-    idx = tl.load(part_idx_ptr + part, mask=mask, other=0)
-    m_max = tl.max(m, 0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    lse = m_safe + tl.log(tl.sum(s * tl.exp(m - m_safe), 0))
-    _, c = tl.max(best, 0, return_indices=True, return_indices_tie_break_left=True)
-    token = tl.sum(tl.where(offs == c, idx, 0), 0)
-    x_t = tl.load(logits_ptr + row.to(tl.int64) * stride_row + token).to(tl.float32)
-    lp_t = x_t * tl.load(inv_t_ptr + row) if PROCESSED else x_t
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_c = offs_c < num_chunks
+    part = row * num_chunks + offs_c
+    m = tl.load(part_m_ptr + part, mask=mask_c, other=-float("inf"))
+    s = tl.load(part_s_ptr + part, mask=mask_c, other=0.0)
+    inv_t = tl.load(inv_t_ptr + row)
+    greedy = True
+    seed = 0
+    if SAMPLE:
+        greedy = tl.load(greedy_ptr + row) != 0
+        seed = tl.load(seeds_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    if greedy:
+        chunk_best = tl.load(part_best_ptr + part, mask=mask_c, other=-float("inf"))
+        chunk_idx = tl.load(part_idx_ptr + part, mask=mask_c, other=0)
+        _, c = tl.max(chunk_best, 0, return_indices=True, return_indices_tie_break_left=True)
+        token = tl.sum(tl.where(offs_c == c, chunk_idx, 0), 0)
+    else:
+        # the chunk: the first whose running mass passes u * total (masses in a fixed order)
+        top = tl.max(m, 0)
+        mass = s * tl.exp2(m - tl.where(top == float("-inf"), 0.0, top))
+        running = tl.cumsum(mass, 0)
+        u = tl.sum(_unit(tl.randint(seed, tl.full([1], CHUNK_COUNTER, tl.int32))), 0)
+        passed = tl.sum((running <= u * tl.max(running, 0)).to(tl.int32), 0)
+        last = tl.max(tl.where(mass > 0.0, offs_c, 0), 0)  # past the end by rounding: the last
+        chunk = tl.minimum(passed, last)
+        # the token inside it: Gumbel-max over the chunk, the noise keyed by column
+        scale = inv_t * LOG2E
+        cols = chunk * BLOCK + tl.arange(0, SUB)
+        r0, r1, r2, r3 = tl.randint4x(seed, chunk * SUB + tl.arange(0, SUB))
+        best = -float("inf")
+        token = chunk * BLOCK
+        best, token = _fold_best(_load_sub(base, cols, vocab) * inv_t + _gumbel(r0, FAST_LOG),
+                                 cols, best, token)
+        best, token = _fold_best(_load_sub(base, cols + SUB, vocab) * inv_t + _gumbel(r1, FAST_LOG),
+                                 cols + SUB, best, token)
+        best, token = _fold_best(_load_sub(base, cols + 2 * SUB, vocab) * inv_t + _gumbel(r2, FAST_LOG),
+                                 cols + 2 * SUB, best, token)
+        best, token = _fold_best(_load_sub(base, cols + 3 * SUB, vocab) * inv_t + _gumbel(r3, FAST_LOG),
+                                 cols + 3 * SUB, best, token)
+    if PROCESSED:
+        lse2 = _lse2(m, s)
+    else:
+        rm = tl.load(part_rm_ptr + part, mask=mask_c, other=-float("inf"))
+        rs = tl.load(part_rs_ptr + part, mask=mask_c, other=0.0)
+        lse2 = _lse2(rm, rs)
+    x_t = tl.load(base + token).to(tl.float32)
+    lp_t = x_t * inv_t if PROCESSED else x_t
     tl.store(token_ptr + row, token.to(tl.int64))
-    tl.store(logprob_ptr + row, lp_t - lse)
+    tl.store(logprob_ptr + row, lp_t - lse2 * LN2)
     tl.store(token_lp_ptr + row, lp_t)
 
 
@@ -188,13 +244,6 @@ def _rank_kernel(
     tl.atomic_add(rank_ptr + row, tl.sum(count, 0))
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -219,39 +268,35 @@ def sample(
     ranks = torch.ones(S, dtype=torch.int32, device=dev) if want_ranks else None
     if S == 0:
         return token, logprob, ranks
-    n_blocks = triton.cdiv(V, BLOCK)
-    # The Philox and log work makes this ALU-bound more than memory-bound: ~16 programs per SM
-    # keep the last wave's tail short.
-    num_chunks = max(1, min(n_blocks, triton.cdiv(16 * _num_sms(dev), S)))
-    blocks_per_chunk = triton.cdiv(n_blocks, num_chunks)
-    num_chunks = triton.cdiv(n_blocks, blocks_per_chunk)
+    num_chunks = triton.cdiv(V, BLOCK)
     inv_t = 1.0 / temperature.float()
     # Each partial array starts 16-byte aligned whatever S is: Triton specializes pointers on
     # alignment, and a batch size that moved part[1] off it would compile another variant.
     n_part = -(-S * num_chunks // 4) * 4
-    part = torch.empty(3, n_part, dtype=torch.float32, device=dev)[:, : S * num_chunks].view(3, S, num_chunks)
-    part_idx = torch.empty(S, num_chunks, dtype=torch.int32, device=dev)
+    part = torch.empty(5, n_part, dtype=torch.float32, device=dev)[:, : S * num_chunks]
+    part_idx = torch.empty(S * num_chunks, dtype=torch.int32, device=dev)
     sample_rows = greedy is not None
     launch_pdl = pdl.enabled(logits)
-    _sample_chunk_kernel[(S, num_chunks)](
-        logits, inv_t, greedy if sample_rows else inv_t, seeds if sample_rows else inv_t,
-        part[0], part[1], part[2], part_idx,
-        V, logits.stride(0), blocks_per_chunk, num_chunks,
-        SAMPLE=sample_rows, PROCESSED=processed, FAST_LOG=dev.type == "cuda", BLOCK=BLOCK, SUB=SUB,
+    greedy_arg = greedy if sample_rows else inv_t
+    _chunk_kernel[(S, num_chunks)](
+        logits, inv_t, greedy_arg, *part, part_idx,
+        V, logits.stride(0), num_chunks,
+        SAMPLE=sample_rows, PROCESSED=processed, BLOCK=BLOCK, SUB=SUB,
         PDL=launch_pdl, num_warps=4, launch_pdl=launch_pdl,
     )
     token_lp = torch.empty(S, dtype=torch.float32, device=dev)
     _sample_merge_kernel[(S,)](
-        logits, inv_t, part[0], part[1], part[2], part_idx,
+        logits, inv_t, greedy_arg, seeds if sample_rows else inv_t, *part, part_idx,
         token, logprob, token_lp,
-        logits.stride(0), num_chunks,
-        PROCESSED=processed, BLOCK_C=triton.next_power_of_2(n_blocks), PDL=launch_pdl, num_warps=1,
+        V, logits.stride(0), num_chunks,
+        SAMPLE=sample_rows, PROCESSED=processed, FAST_LOG=dev.type == "cuda", BLOCK=BLOCK, SUB=SUB,
+        BLOCK_C=triton.next_power_of_2(num_chunks), PDL=launch_pdl, num_warps=4,
         launch_pdl=launch_pdl,
     )
     if want_ranks:
         _rank_kernel[(S, num_chunks)](
             logits, inv_t, token_lp, ranks,
-            V, logits.stride(0), blocks_per_chunk * (BLOCK // 1024),
+            V, logits.stride(0), BLOCK // 1024,
             PROCESSED=processed, BLOCK=1024, num_warps=4,
         )
     return token, logprob, ranks

@@ -1,7 +1,9 @@
 """Sampler: penalties, temperature, top-k/top-p/min-p and logprobs, all on the device.
 
-Sampling uses the exponential race in log space (Gumbel-max: argmax of logits / T - log Exp(1)),
-which draws from softmax(logits / T) with no host synchronisation. Rows with their own seed draw
+The torch path samples by the exponential race in log space (Gumbel-max: argmax of logits / T -
+log Exp(1)), which draws from softmax(logits / T) with no host synchronisation; the fused path
+(`tandem.kernels.sampling`) draws a chunk of the vocabulary by its mass, then Gumbel-max inside
+it, which is the same distribution for a fraction of the noise. Rows with their own seed draw
 their noise from their own generator on the torch path; on the fused path their Philox key is
 derived on the device from (seed, tokens so far), so a batch full of seeded requests (an RL
 rollout: one seed per prompt) costs no per-row work.

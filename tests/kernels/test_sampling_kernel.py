@@ -113,3 +113,39 @@ def test_full_vocab_batch_on_gpu():
     assert torch.equal(ranks.long(), ref_ranks)
     # sampled tokens are likely ones: the mean rank is far below a uniform draw's
     assert ranks.float().mean().item() < 151936 / 10
+
+
+def test_draws_across_chunks_follow_softmax(device):
+    """Likely tokens in different chunks of the vocabulary (the last one partial), the rest
+    banned: the chunk is drawn by its mass, then the token inside it; together, softmax."""
+    n = 2000 if device == "cuda" else 150
+    V = 3 * BLOCK + 7
+    where = [5, 100, BLOCK + 3, BLOCK + 4000, 2 * BLOCK + 1, 2 * BLOCK + 4095, 3 * BLOCK + 2, 3 * BLOCK + 6]
+    values = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 0.3, 1.5, -0.5])
+    row = torch.full((V,), NEG_INF)
+    row[where] = values
+    logits = row.repeat(n, 1).to(device)
+    temperature = torch.full((n,), 0.8, device=device)
+    tokens, logprobs, _ = sample(logits, temperature, torch.zeros(n, dtype=torch.bool, device=device),
+                                 torch.arange(n, device=device) * 104729 + 11)
+    probs = torch.softmax(values / 0.8, -1)
+    drawn = torch.tensor([where.index(t) for t in tokens.tolist()])  # never a banned token
+    # 7 degrees of freedom: P(chi2 > 27) is about 3e-4
+    assert chi_square(drawn, probs, n) < 27
+    ref = torch.log_softmax(values, -1)[drawn]  # logprobs of the raw logits (not processed)
+    torch.testing.assert_close(logprobs.cpu(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_chunk_masses_decide_the_draw(device):
+    """Every column likely, chunks of unequal total mass: the chunk a token falls in follows
+    the chunks' shares of the softmax (the first level of the draw, which uses one uniform)."""
+    n = 2000 if device == "cuda" else 150
+    V = 4 * BLOCK
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randn(V, generator=gen) + torch.tensor([1.0, 0.0, -0.7, 0.4]).repeat_interleave(BLOCK)
+    tokens, _, _ = sample(row.repeat(n, 1).to(device), torch.ones(n, device=device),
+                          torch.zeros(n, dtype=torch.bool, device=device),
+                          torch.arange(n, device=device) * 7 + 3)
+    shares = torch.softmax(row.double(), -1).view(4, BLOCK).sum(-1)
+    # 3 degrees of freedom: P(chi2 > 21) is about 1e-4
+    assert chi_square(tokens.cpu() // BLOCK, shares, n) < 21
