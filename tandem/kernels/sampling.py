@@ -143,6 +143,12 @@ def _chunk_kernel(
 
 
 @triton.jit
+def _noisy_best(base, cols, vocab, inv_t, r, best, best_idx, FAST_LOG: tl.constexpr):
+    """Folds the columns' x / T + Gumbel noise (from the random words r) into a running argmax."""
+    return _fold_best(_load_sub(base, cols, vocab) * inv_t + _gumbel(r, FAST_LOG), cols, best, best_idx)
+
+
+@triton.jit
 def _lse2(m, s):
     """log2 of sum_c s_c * 2^m_c over the chunks; -inf when every column is masked."""
     top = tl.max(m, 0)
@@ -194,19 +200,14 @@ def _sample_merge_kernel(
         last = tl.max(tl.where(mass > 0.0, offs_c, 0), 0)  # past the end by rounding: the last
         chunk = tl.minimum(passed, last)
         # the token inside it: Gumbel-max over the chunk, the noise keyed by column
-        scale = inv_t * LOG2E
         cols = chunk * BLOCK + tl.arange(0, SUB)
         r0, r1, r2, r3 = tl.randint4x(seed, chunk * SUB + tl.arange(0, SUB))
         best = -float("inf")
         token = chunk * BLOCK
-        best, token = _fold_best(_load_sub(base, cols, vocab) * inv_t + _gumbel(r0, FAST_LOG),
-                                 cols, best, token)
-        best, token = _fold_best(_load_sub(base, cols + SUB, vocab) * inv_t + _gumbel(r1, FAST_LOG),
-                                 cols + SUB, best, token)
-        best, token = _fold_best(_load_sub(base, cols + 2 * SUB, vocab) * inv_t + _gumbel(r2, FAST_LOG),
-                                 cols + 2 * SUB, best, token)
-        best, token = _fold_best(_load_sub(base, cols + 3 * SUB, vocab) * inv_t + _gumbel(r3, FAST_LOG),
-                                 cols + 3 * SUB, best, token)
+        best, token = _noisy_best(base, cols, vocab, inv_t, r0, best, token, FAST_LOG)
+        best, token = _noisy_best(base, cols + SUB, vocab, inv_t, r1, best, token, FAST_LOG)
+        best, token = _noisy_best(base, cols + 2 * SUB, vocab, inv_t, r2, best, token, FAST_LOG)
+        best, token = _noisy_best(base, cols + 3 * SUB, vocab, inv_t, r3, best, token, FAST_LOG)
     if PROCESSED:
         lse2 = _lse2(m, s)
     else:
