@@ -68,6 +68,15 @@ def _gumbel(r, FAST_LOG: tl.constexpr):
 
 
 @triton.jit
+def _raw_sums(inv_t, PROCESSED: tl.constexpr):
+    """Whether the logprob needs sums of its own: of the raw logits, where T != 1 (else the
+    draw's sums of x / T are the logprob's too). Both kernels ask this one question."""
+    if PROCESSED:
+        return False
+    return inv_t != 1.0
+
+
+@triton.jit
 def _fold(y, m, s):
     """Folds y (log2 units, -inf where masked) into a running (max, sum of exp2(y - max))."""
     m_new = tl.maximum(m, tl.max(y, 0))
@@ -101,20 +110,18 @@ def _chunk_kernel(
     PDL: tl.constexpr,
 ):
     """Per (row, chunk): (max, sum) of exp2 over y = x / T in log2 units (the sampling
-    distribution; a greedy row has T = 1), the same of the raw x where the logprob is of the raw
-    logits and T != 1, and a greedy row's argmax."""
+    distribution; a greedy row has T = 1), the same of the raw x where the logprob's sums differ
+    from those (`_raw_sums`), and a greedy row's argmax."""
     if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
         gdc_wait()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    scale = tl.load(inv_t_ptr + row) * LOG2E
+    inv_t = tl.load(inv_t_ptr + row)
+    scale = inv_t * LOG2E
     greedy = True
     if SAMPLE:
         greedy = tl.load(greedy_ptr + row) != 0
-    if PROCESSED:
-        raw_too = False
-    else:  # the logprob is of the raw logits: its sums differ from the draw's where T != 1
-        raw_too = scale != LOG2E
+    raw_too = _raw_sums(inv_t, PROCESSED)
     base = logits_ptr + row.to(tl.int64) * stride_row
     offs = chunk * BLOCK + tl.arange(0, SUB)
     m = -float("inf")
@@ -130,14 +137,12 @@ def _chunk_kernel(
             rm, rs = _fold(x * LOG2E, rm, rs)
         if greedy:
             best, best_idx = _fold_best(x, offs + q * SUB, best, best_idx)
-    if not raw_too:
-        rm = m
-        rs = s
     out = row * num_chunks + chunk
     tl.store(part_m_ptr + out, m)
     tl.store(part_s_ptr + out, s)
-    tl.store(part_rm_ptr + out, rm)
-    tl.store(part_rs_ptr + out, rs)
+    if raw_too:
+        tl.store(part_rm_ptr + out, rm)
+        tl.store(part_rs_ptr + out, rs)
     tl.store(part_best_ptr + out, best)
     tl.store(part_idx_ptr + out, best_idx)
 
@@ -208,12 +213,12 @@ def _sample_merge_kernel(
         best, token = _noisy_best(base, cols + SUB, vocab, inv_t, r1, best, token, FAST_LOG)
         best, token = _noisy_best(base, cols + 2 * SUB, vocab, inv_t, r2, best, token, FAST_LOG)
         best, token = _noisy_best(base, cols + 3 * SUB, vocab, inv_t, r3, best, token, FAST_LOG)
-    if PROCESSED:
-        lse2 = _lse2(m, s)
-    else:
+    if _raw_sums(inv_t, PROCESSED):
         rm = tl.load(part_rm_ptr + part, mask=mask_c, other=-float("inf"))
         rs = tl.load(part_rs_ptr + part, mask=mask_c, other=0.0)
         lse2 = _lse2(rm, rs)
+    else:
+        lse2 = _lse2(m, s)
     x_t = tl.load(base + token).to(tl.float32)
     lp_t = x_t * inv_t if PROCESSED else x_t
     tl.store(token_ptr + row, token.to(tl.int64))
