@@ -212,7 +212,10 @@ def closed_schema_samples(llm) -> list:
     outs = llm.generate([f"A person, as JSON ({i}):" for i in range(len(params))], params, use_tqdm=False)
     done = [o.outputs[0] for o in outs[:256] if o.outputs[0].finish_reason == "stop"]
     for c in done:
-        jsonschema.validate(json.loads(c.text), CLOSED)
+        try:
+            jsonschema.validate(json.loads(c.text), CLOSED)
+        except (ValueError, jsonschema.ValidationError) as e:
+            raise AssertionError(f"{c.text!r} (token ids {c.token_ids}) is not a valid document: {e}") from e
     return done
 
 
