@@ -226,12 +226,13 @@ def _sample_merge_kernel(
     tl.store(token_lp_ptr + row, lp_t)
 
 
-@triton.jit(do_not_specialize=["blocks_per_chunk"])
+@triton.jit
 def _rank_kernel(
     logits_ptr, inv_t_ptr, token_lp_ptr, rank_ptr,
-    vocab, stride_row, blocks_per_chunk,
+    vocab, stride_row,
     PROCESSED: tl.constexpr,
     BLOCK: tl.constexpr,
+    SUB: tl.constexpr,
 ):
     """rank[r] += #{i in this chunk: lp_i > lp_token}, lp as the merge kernel computed it."""
     row = tl.program_id(0)
@@ -239,12 +240,10 @@ def _rank_kernel(
     inv_t = tl.load(inv_t_ptr + row)
     lp_t = tl.load(token_lp_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_row
-    offs = tl.arange(0, BLOCK)
-    count = tl.zeros([BLOCK], dtype=tl.int32)
-    first_block = chunk * blocks_per_chunk
-    for b in range(first_block, tl.minimum(first_block + blocks_per_chunk, tl.cdiv(vocab, BLOCK))):
-        cols = b * BLOCK + offs
-        x = tl.load(base + cols, mask=cols < vocab, other=-float("inf")).to(tl.float32)
+    offs = chunk * BLOCK + tl.arange(0, SUB)
+    count = tl.zeros([SUB], dtype=tl.int32)
+    for q in tl.static_range(BLOCK // SUB):
+        x = _load_sub(base, offs + q * SUB, vocab)
         lp = x * inv_t if PROCESSED else x
         count += (lp > lp_t).to(tl.int32)
     tl.atomic_add(rank_ptr + row, tl.sum(count, 0))
@@ -302,7 +301,7 @@ def sample(
     if want_ranks:
         _rank_kernel[(S, num_chunks)](
             logits, inv_t, token_lp, ranks,
-            V, logits.stride(0), BLOCK // 1024,
-            PROCESSED=processed, BLOCK=1024, num_warps=4,
+            V, logits.stride(0),
+            PROCESSED=processed, BLOCK=BLOCK, SUB=1024, num_warps=4,
         )
     return token, logprob, ranks
