@@ -69,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self._eos_token_ids())
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self._structured: StructuredOutputManager | None = None  # made at the first constraint
+        self._structured_refusal: str | None = None  # ...or why it cannot be
         self._request_counter = itertools.count()
         self.num_generated_tokens = 0
         self.step_stats: dict[str, list] = {"decode": [0, 0.0], "prefill_or_mixed": [0, 0.0]}  # [steps, s]
@@ -236,10 +237,18 @@ class LLMEngine:
 
     @property
     def structured_outputs(self) -> StructuredOutputManager:
+        """Made at the first constrained request; a refusal (no llguidance, a tokenizer it
+        misreads) is kept and raised again for each later one, not rebuilt."""
         if self._structured is None:
-            self._structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
-                                                       self.eos_token_ids,
-                                                       self.config.structured_outputs_backend)
+            if self._structured_refusal is not None:
+                raise ValueError(self._structured_refusal)
+            try:
+                self._structured = StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size,
+                                                           self.eos_token_ids,
+                                                           self.config.structured_outputs_backend)
+            except ValueError as e:
+                self._structured_refusal = str(e)
+                raise
         return self._structured
 
     def abort_request(self, request_id: str | list[str]) -> None:

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from tandem.engine.llg_tokenizer import llguidance_tokenizer
 from tandem.sampling_params import StructuredOutputsParams
 
 _CACHE_SIZE = 64  # compiled grammars kept (an RL rollout asks for the same one many times)
@@ -99,18 +100,13 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int], backend: str = "auto"):
         try:
-            import llguidance.hf
+            import llguidance  # noqa: F401
         except ImportError:
             raise ValueError("structured_outputs need llguidance: pip install llguidance "
                              "(it comes with tandem[serve])") from None
         if tokenizer is None:
             raise ValueError("structured_outputs need a tokenizer (the grammar is over text)")
-        eos = sorted(eos_token_ids) or None
-        try:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-        except TypeError:  # older llguidance (1.6) takes one end-of-sequence token, not a list
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                          eos_token=eos[0] if eos else None)
+        self.tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_token_ids))
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self.backend = backend
         self.vocab_size = vocab_size

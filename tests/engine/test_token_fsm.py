@@ -53,9 +53,9 @@ GRAMMARS = [("regex", p) for p in PATTERNS] + [
 @pytest.fixture(scope="module")
 def smol():
     """SmolLM2's tokenizer (the embedded model's: 49,152 tokens) as llguidance reads it."""
-    import llguidance.hf
     from transformers import AutoTokenizer
 
+    from tandem.engine.llg_tokenizer import llguidance_tokenizer
     from tandem.models import gguf
 
     try:
@@ -63,7 +63,7 @@ def smol():
     except ValueError as e:
         pytest.skip(str(e))
     tok = AutoTokenizer.from_pretrained(str(gguf.converted_dir(path)))
-    return tok, llguidance.hf.from_tokenizer(tok, n_vocab=49152, eos_token=[tok.eos_token_id])
+    return tok, llguidance_tokenizer(tok, 49152, [tok.eos_token_id])
 
 
 def _llg_allowed(matcher, V: int) -> np.ndarray:

@@ -1,0 +1,106 @@
+"""llguidance's view of a tokenizer (`tandem.engine.llg_tokenizer`): the bytes every grammar mask
+is computed over. The case that broke on the GPU host: transformers 5.17 converts the embedded
+SmolLM2's GGUF tokenizer with the decoder Sequence[ByteFallback, Fuse, Replace, ByteLevel], which
+llguidance read as byte fallback, so the newline token was the bytes of "Ċ" and closed-JSON
+samples held raw newlines inside their strings."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+
+from tandem.engine.llg_tokenizer import PROBE, llguidance_tokenizer
+
+V = 49152  # SmolLM2's vocabulary
+NEWLINE = 198  # "Ċ" in GPT-2's byte alphabet
+CLOSED = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+          "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False}
+
+
+def _tokenizer_with(smollm2_dir, tmp_path, decoder: dict, byte_fallback: bool):
+    """SmolLM2's tokenizer saved with another decoder (and the BPE model's byte_fallback flag)."""
+    from transformers import AutoTokenizer
+
+    with open(f"{smollm2_dir}/tokenizer.json") as f:
+        spec = json.load(f)
+    spec["decoder"] = decoder
+    spec["model"]["byte_fallback"] = byte_fallback
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(f"{smollm2_dir}/tokenizer_config.json", tmp_path)
+    return AutoTokenizer.from_pretrained(str(tmp_path))
+
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+# transformers 5.17's conversion of a GGUF's GPT-2-style tokenizer
+GGUF_517 = {"type": "Sequence", "decoders": [
+    {"type": "ByteFallback"}, {"type": "Fuse"},
+    {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, BYTE_LEVEL]}
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smollm2_dir, tmp_path_factory):
+    plain = _tokenizer_with(smollm2_dir, tmp_path_factory.mktemp("plain"), BYTE_LEVEL, False)
+    gguf = _tokenizer_with(smollm2_dir, tmp_path_factory.mktemp("gguf517"), GGUF_517, True)
+    return plain, gguf
+
+
+def test_a_byte_level_vocabulary_behind_a_decoder_sequence_keeps_its_bytes(tokenizers):
+    """Both tokenizers decode alike; llguidance's view of the 5.17-style one gives every token
+    the bytes it has under a bare ByteLevel decoder (the newline a newline, not "Ċ")."""
+    plain, gguf = tokenizers
+    ids = plain.encode(PROBE, add_special_tokens=False)
+    assert gguf.encode(PROBE, add_special_tokens=False) == ids
+    assert gguf.decode(ids) == plain.decode(ids) == PROBE
+    want = llguidance_tokenizer(plain, V, [plain.eos_token_id])
+    got = llguidance_tokenizer(gguf, V, [gguf.eos_token_id])
+    assert got.decode_bytes([NEWLINE]) == b"\n"
+    assert [got.decode_bytes([t]) for t in range(V)] == [want.decode_bytes([t]) for t in range(V)]
+
+
+@pytest.mark.parametrize("backend", ["fsm", "guidance"])
+def test_a_closed_json_string_refuses_a_raw_newline(tokenizers, backend):
+    """The GPU host's failure, on the CPU: inside a JSON string of the closed schema, neither the
+    token automaton nor llguidance's matcher allows the newline token (JSON needs it escaped)."""
+    from tandem.engine.structured_output import StructuredOutputManager
+    from tandem.sampling_params import StructuredOutputsParams
+
+    _, tok = tokenizers
+    manager = StructuredOutputManager(tok, V, frozenset([tok.eos_token_id]), backend)
+    so = StructuredOutputsParams(json=CLOSED, disable_any_whitespace=True)
+    (grammar,) = manager.sample_grammars(so, 1)
+    prefix = tok.encode('{"name":"ab', add_special_tokens=False)
+    if backend == "fsm":
+        for t in prefix:
+            assert not grammar.advance(t)
+        allowed = grammar.fsm.next_state[grammar.state] >= 0
+    else:
+        for t in prefix:
+            assert grammar.consume_token(t)
+        words = np.frombuffer(grammar.compute_bitmask(), dtype=np.int32)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[:V].astype(bool)
+    escaped = tok.encode('\\n', add_special_tokens=False)[0]  # the escape's first token
+    assert allowed[escaped] and allowed[tok.encode("c", add_special_tokens=False)[0]]
+    assert not allowed[NEWLINE]
+
+
+def test_a_tokenizer_llguidance_misreads_is_refused_and_the_engine_goes_on(smollm2_dir, tmp_path):
+    """A byte-level vocabulary whose decoder leaves GPT-2's alphabet undone ("Ċ" decodes as
+    "Ċ"): llguidance's view would not spell what the tokenizer encodes, so a constrained request
+    is refused with an error naming it, every time, and free requests still run."""
+    from tandem import LLM, SamplingParams, StructuredOutputsParams
+
+    bad = _tokenizer_with(smollm2_dir, tmp_path, {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}, True)
+    with pytest.raises(ValueError, match="structured_outputs: llguidance reads this tokenizer"):
+        llguidance_tokenizer(bad, V, [bad.eos_token_id])
+    llm = LLM(smollm2_dir, tokenizer=bad, max_model_len=128)
+    so = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"ByteFallback, Fuse\]"):
+            llm.generate(["Hi"], so, use_tqdm=False)
+    (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+    assert not llm.llm_engine.has_unfinished_requests()
