@@ -37,6 +37,22 @@ def make_tokenizer():
     return fast
 
 
+def tokenizer_with_decoder(src_dir: str, dst_dir, decoder: dict, byte_fallback: bool) -> str:
+    """The tokenizer of `src_dir` saved in `dst_dir` with another decoder (and its BPE model's
+    byte_fallback flag), e.g. as transformers 5.17 converts a GGUF's; returns `dst_dir`."""
+    import json
+    import shutil
+
+    with open(f"{src_dir}/tokenizer.json") as f:
+        spec = json.load(f)
+    spec["decoder"] = decoder
+    spec["model"]["byte_fallback"] = byte_fallback
+    with open(f"{dst_dir}/tokenizer.json", "w") as f:
+        json.dump(spec, f)
+    shutil.copy(f"{src_dir}/tokenizer_config.json", dst_dir)
+    return str(dst_dir)
+
+
 def make_tiny_model(arch: str = "llama", vocab_size: int = 320, seed: int = 0, **overrides):
     """A tiny random HF causal LM (fp32, eval mode)."""
     import transformers

@@ -44,11 +44,29 @@ def llguidance_tokenizer(tokenizer, vocab_size: int, eos_token_ids: list[int]):
     spec["decoder"] = byte_level_decoder(spec) or spec.get("decoder")
     source = json.dumps(spec)
     try:
-        ll = llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos)
-    except TypeError:  # older llguidance (1.6) takes one end-of-sequence token, not a list
-        ll = llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
+        try:
+            ll = llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos)
+        except TypeError:  # older llguidance (1.6) takes one end-of-sequence token, not a list
+            ll = llguidance.LLTokenizer(source, n_vocab=vocab_size, eos_token=eos[0] if eos else None)
+    except Exception as e:  # noqa: BLE001 (llguidance's own words on a tokenizer it cannot read)
+        raise ValueError(f"structured_outputs: llguidance cannot read this tokenizer: {e}") from None
     check_token_bytes(ll, tokenizer, spec.get("decoder"))
     return ll
+
+
+def vocabulary_refusal(tokenizer, vocab_size: int) -> str | None:
+    """Why structured outputs would refuse `tokenizer` (`llguidance_tokenizer`'s error), or None
+    (also without llguidance, which the grammar check reports): for an API server to answer 400
+    before a constrained request reaches the engine."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return None
+    try:
+        llguidance_tokenizer(tokenizer, vocab_size, [])
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def byte_level_decoder(spec: dict) -> dict | None:
@@ -84,6 +102,7 @@ def check_token_bytes(ll, tokenizer, decoder: dict | None) -> None:
         kind += "[" + ", ".join(str(d.get("type")) for d in decoder.get("decoders") or []) + "]"
     raise ValueError(
         f"structured_outputs: llguidance reads this tokenizer's vocabulary as other bytes than it "
-        f"encodes (the probe {PROBE!r} comes back as {got!r}; the tokenizer's decoder: {kind}), so "
+        f"encodes (the probe {PROBE[:12]!r}... comes back as {got[:16]!r}...; the tokenizer's decoder: "
+        f"{kind}), so "
         f"its masks would be over the wrong text; use a tokenizer whose decoder is ByteLevel "
         f"(GPT-2-style vocabularies) or SentencePiece's byte fallback")

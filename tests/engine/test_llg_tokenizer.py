@@ -4,11 +4,9 @@ SmolLM2's GGUF tokenizer with the decoder Sequence[ByteFallback, Fuse, Replace, 
 llguidance read as byte fallback, so the newline token was the bytes of "Ċ" and closed-JSON
 samples held raw newlines inside their strings."""
 
-import json
-import shutil
-
 import numpy as np
 import pytest
+from model_fixtures import tokenizer_with_decoder
 
 pytest.importorskip("llguidance")
 
@@ -21,16 +19,9 @@ CLOSED = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 
 def _tokenizer_with(smollm2_dir, tmp_path, decoder: dict, byte_fallback: bool):
-    """SmolLM2's tokenizer saved with another decoder (and the BPE model's byte_fallback flag)."""
     from transformers import AutoTokenizer
 
-    with open(f"{smollm2_dir}/tokenizer.json") as f:
-        spec = json.load(f)
-    spec["decoder"] = decoder
-    spec["model"]["byte_fallback"] = byte_fallback
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    shutil.copy(f"{smollm2_dir}/tokenizer_config.json", tmp_path)
-    return AutoTokenizer.from_pretrained(str(tmp_path))
+    return AutoTokenizer.from_pretrained(tokenizer_with_decoder(smollm2_dir, tmp_path, decoder, byte_fallback))
 
 
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
