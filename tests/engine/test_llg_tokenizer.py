@@ -95,3 +95,11 @@ def test_a_tokenizer_llguidance_misreads_is_refused_and_the_engine_goes_on(smoll
     (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_a_value_error(smollm2_dir, tmp_path):
+    """No decoder at all: llguidance cannot tell how to read the vocabulary; its own words come
+    back as a ValueError (a 400 behind the server), not as whatever it raised."""
+    tok = _tokenizer_with(smollm2_dir, tmp_path, None, False)
+    with pytest.raises(ValueError, match="structured_outputs: llguidance cannot read this tokenizer"):
+        llguidance_tokenizer(tok, V, [tok.eos_token_id])
