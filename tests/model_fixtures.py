@@ -37,6 +37,14 @@ def make_tokenizer():
     return fast
 
 
+# A decoder sequence that turns "Ċ" into a newline itself, which llguidance (reading any decoder
+# sequence as byte fallback, token names as their text) does not: its bytes for the newline token
+# are neither the text encoded nor the text decoded (structured outputs refuse such a tokenizer).
+MISREAD_DECODER = {"type": "Sequence", "decoders": [
+    {"type": "Replace", "pattern": {"String": "\u010a"}, "content": "\n"},
+    {"type": "ByteFallback"}, {"type": "Fuse"}]}
+
+
 def tokenizer_with_decoder(src_dir: str, dst_dir, decoder: dict, byte_fallback: bool) -> str:
     """The tokenizer of `src_dir` saved in `dst_dir` with another decoder (and its BPE model's
     byte_fallback flag), e.g. as transformers 5.17 converts a GGUF's; returns `dst_dir`."""

@@ -6,7 +6,7 @@ samples held raw newlines inside their strings."""
 
 import numpy as np
 import pytest
-from model_fixtures import tokenizer_with_decoder
+from model_fixtures import MISREAD_DECODER, tokenizer_with_decoder
 
 pytest.importorskip("llguidance")
 
@@ -78,19 +78,18 @@ def test_a_closed_json_string_refuses_a_raw_newline(tokenizers, backend):
 
 
 def test_a_tokenizer_llguidance_misreads_is_refused_and_the_engine_goes_on(smollm2_dir, tmp_path):
-    """A byte-level vocabulary whose decoder leaves GPT-2's alphabet undone ("Ċ" decodes as
-    "Ċ"): llguidance's view would not spell what the tokenizer encodes, so a constrained request
-    is refused with an error naming it, every time, and free requests still run."""
+    """llguidance's view of the vocabulary would not spell what the tokenizer encodes or decodes
+    (the newline), so a constrained request is refused with an error naming the decoder, every
+    time, and free requests still run."""
     from tandem import LLM, SamplingParams, StructuredOutputsParams
 
-    bad = _tokenizer_with(smollm2_dir, tmp_path, {"type": "Sequence", "decoders": [
-        {"type": "ByteFallback"}, {"type": "Fuse"}]}, True)
+    bad = _tokenizer_with(smollm2_dir, tmp_path, MISREAD_DECODER, True)
     with pytest.raises(ValueError, match="structured_outputs: llguidance reads this tokenizer"):
         llguidance_tokenizer(bad, V, [bad.eos_token_id])
     llm = LLM(smollm2_dir, tokenizer=bad, max_model_len=128)
     so = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
     for _ in range(2):
-        with pytest.raises(ValueError, match=r"ByteFallback, Fuse\]"):
+        with pytest.raises(ValueError, match=r"Sequence\[Replace, ByteFallback, Fuse\]"):
             llm.generate(["Hi"], so, use_tqdm=False)
     (out,) = llm.generate(["Hi"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
@@ -103,3 +102,14 @@ def test_a_tokenizer_llguidance_cannot_read_is_a_value_error(smollm2_dir, tmp_pa
     tok = _tokenizer_with(smollm2_dir, tmp_path, None, False)
     with pytest.raises(ValueError, match="structured_outputs: llguidance cannot read this tokenizer"):
         llguidance_tokenizer(tok, V, [tok.eos_token_id])
+
+
+def test_a_decoder_llguidance_reads_as_the_tokenizer_decodes_is_kept(smollm2_dir, tmp_path):
+    """A byte-level vocabulary behind Sequence[ByteFallback, Fuse]: the tokenizer itself decodes
+    the newline token as "Ċ", and llguidance reads it so: the masks agree with the text the
+    outputs will have, so the tokenizer is kept (only a disagreement is refused)."""
+    tok = _tokenizer_with(smollm2_dir, tmp_path, {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}]}, True)
+    assert tok.decode([NEWLINE]) == "\u010a"
+    ll = llguidance_tokenizer(tok, V, [tok.eos_token_id])
+    assert ll.decode_bytes([NEWLINE]) == "\u010a".encode()

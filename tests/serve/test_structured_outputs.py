@@ -73,15 +73,14 @@ def test_bad_constraints_are_400s(server, extra, param):
 
 
 def test_a_tokenizer_llguidance_misreads_is_a_400_and_free_requests_run(smollm2_dir, tmp_path):
-    """A byte-level vocabulary whose decoder leaves GPT-2's alphabet undone: llguidance's reading
-    would not spell what the tokenizer encodes, so the server refuses constrained requests with a
-    400 naming the tokenizer's decoder (before the engine sees them), and serves free ones."""
-    from model_fixtures import tokenizer_with_decoder
+    """llguidance's reading of the vocabulary would not spell what the tokenizer encodes or
+    decodes, so the server refuses constrained requests with a 400 naming the tokenizer's decoder
+    (before the engine sees them), and serves free ones."""
+    from model_fixtures import MISREAD_DECODER, tokenizer_with_decoder
 
     from .helpers import run_server
 
-    bad = tokenizer_with_decoder(smollm2_dir, tmp_path, {"type": "Sequence", "decoders": [
-        {"type": "ByteFallback"}, {"type": "Fuse"}]}, True)
+    bad = tokenizer_with_decoder(smollm2_dir, tmp_path, MISREAD_DECODER, True)
     with run_server(smollm2_dir, tokenizer=bad, max_model_len=128) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
         for extra in ({"structured_outputs": {"regex": "[a-z]+"}}, {"guided_choice": ["a", "b"]}):
@@ -89,7 +88,7 @@ def test_a_tokenizer_llguidance_misreads_is_a_400_and_free_requests_run(smollm2_
                 client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4,
                                           extra_body=extra)
             assert "llguidance reads this tokenizer" in e.value.message
-            assert "ByteFallback, Fuse" in e.value.message
+            assert "Sequence[Replace, ByteFallback, Fuse]" in e.value.message
         free = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, temperature=0)
         assert free.usage.completion_tokens == 4
         # the engine never saw the constrained requests (nor built a grammar backend for them)
