@@ -234,6 +234,30 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
     """The request's output constraint, from whichever field carries it (one at most)."""
+    found = _constraints(req)
+    if not found:
+        return None
+    (param, spec), = found.items()
+    fields = StructuredOutputsParams.__dataclass_fields__
+    unknown = sorted(set(spec) - set(fields))
+    if unknown:
+        raise APIError(f"{param}: unknown fields {unknown}; known: {sorted(fields)}", param=param)
+    try:
+        return StructuredOutputsParams(**spec)
+    except (TypeError, ValueError) as e:
+        raise APIError(f"{param}: {e}", param=param) from None
+
+
+def constraint_field(req: _SamplingRequest) -> str:
+    """The field that carries the request's output constraint (response_format, structured_outputs
+    or a guided_* one): what an error about the constraint names."""
+    found = _constraints(req)
+    return next(iter(found)) if len(found) == 1 else "structured_outputs"
+
+
+def _constraints(req: _SamplingRequest) -> dict[str, dict]:
+    """{field: StructuredOutputsParams' keyword arguments} for each field that carries one (a 400
+    for more than one, or a response_format that is not a constraint tandem takes)."""
     found: dict[str, dict] = {}
     rf = req.response_format
     kind = (rf or {}).get("type", "text")
@@ -257,14 +281,4 @@ def structured_outputs(req: _SamplingRequest) -> StructuredOutputsParams | None:
             found[f"guided_{name}"] = {name: value}
     if len(found) > 1:
         raise APIError(f"give one output constraint, not {sorted(found)}", param=sorted(found)[1])
-    if not found:
-        return None
-    (param, spec), = found.items()
-    fields = StructuredOutputsParams.__dataclass_fields__
-    unknown = sorted(set(spec) - set(fields))
-    if unknown:
-        raise APIError(f"{param}: unknown fields {unknown}; known: {sorted(fields)}", param=param)
-    try:
-        return StructuredOutputsParams(**spec)
-    except (TypeError, ValueError) as e:
-        raise APIError(f"{param}: {e}", param=param) from None
+    return found

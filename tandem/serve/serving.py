@@ -28,6 +28,7 @@ from tandem.serve.errors import APIError, error_body, from_value_error
 from tandem.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    constraint_field,
     reject_unsupported,
     sampling_params,
 )
@@ -116,16 +117,17 @@ class OpenAIServing:
             max_tokens = max(value, 1)  # (0: scoring with echo, one token generated and dropped)
         else:  # the default (16 for completions), or what fits the context
             max_tokens = max(1, min(value or room, room))  # (validate_request flags a long prompt)
-        rename = {
-            "prompt_token_ids": prompt_field,
-            "prompt": prompt_field,
-            "max_tokens": max_tokens_field,
-            "logprobs": _logprobs_field(req),
-        }
         try:
             params = sampling_params(req, max_tokens, logprobs)
             self.llm.validate_request(prompt_ids, params)
         except (ValueError, TypeError) as e:
+            rename = {  # the engine's names for what the request calls otherwise
+                "prompt_token_ids": prompt_field,
+                "prompt": prompt_field,
+                "max_tokens": max_tokens_field,
+                "logprobs": _logprobs_field(req),
+                "structured_outputs": constraint_field(req),
+            }
             raise from_value_error(e, self.request_fields, rename) from None
         return params
 

@@ -65,6 +65,10 @@ def test_vllm_structured_outputs_and_guided_fields(client):
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "grammar"}}, "response_format"),
+    # the engine's checks name the field the constraint came in
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nonsense"}}}}, "response_format"),
 ])
 def test_bad_constraints_are_400s(server, extra, param):
     status, _, resp = server.post("/v1/chat/completions", {"messages": MSG, "max_tokens": 2, **extra})
@@ -88,6 +92,7 @@ def test_a_tokenizer_llguidance_misreads_is_a_400_and_free_requests_run(smollm2_
                 client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4,
                                           extra_body=extra)
             assert "llguidance reads this tokenizer" in e.value.message
+            assert e.value.body["param"] == next(iter(extra))
             assert "Sequence[Replace, ByteFallback, Fuse]" in e.value.message
         free = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4, temperature=0)
         assert free.usage.completion_tokens == 4
