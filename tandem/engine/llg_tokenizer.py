@@ -102,7 +102,6 @@ def check_token_bytes(ll, tokenizer, decoder: dict | None) -> None:
         kind += "[" + ", ".join(str(d.get("type")) for d in decoder.get("decoders") or []) + "]"
     raise ValueError(
         f"structured_outputs: llguidance reads this tokenizer's vocabulary as other bytes than it "
-        f"encodes (the probe {PROBE[:12]!r}... comes back as {got[:16]!r}...; the tokenizer's decoder: "
-        f"{kind}), so "
-        f"its masks would be over the wrong text; use a tokenizer whose decoder is ByteLevel "
-        f"(GPT-2-style vocabularies) or SentencePiece's byte fallback")
+        f"encodes (the probe {PROBE[:12]!r}... comes back as {got[:16]!r}...; the tokenizer's "
+        f"decoder: {kind}), so its masks would be over the wrong text; use a tokenizer whose "
+        f"decoder is ByteLevel (GPT-2-style vocabularies) or SentencePiece's byte fallback")
