@@ -513,6 +513,8 @@ class GRPOConfig:
         if self.num_completions_to_print is not None:
             _at_least("num_completions_to_print", self.num_completions_to_print, 0)
         report = self.report_to
+        if report is None:  # transformers 4's default: every integration there is (ours: both)
+            report = "all"
         if isinstance(report, str):
             report = report.split(",")
         report = [r.strip() for r in report if r.strip()]

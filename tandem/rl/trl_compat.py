@@ -126,6 +126,24 @@ FIELDS: dict[str, tuple[Any, str, str]] = {
     "use_ipex": (False, IGNORE, "not supported"),
     "ray_scope": ("last", IGNORE, "no hyperparameter search"),
     "mp_parameters": ("", IGNORE, "not used"),
+    # ---- transformers 4's TrainingArguments only (removed in 5.0; pyproject admits 4.56) --------
+    "per_gpu_train_batch_size": (None, REFUSE, ("transformers 4's deprecated name: set "
+                                 "per_device_train_batch_size")),
+    "per_gpu_eval_batch_size": (None, IGNORE, "evaluation sends every prompt to the engine at once"),
+    "fp16_opt_level": ("O1", IGNORE, "Apex AMP is not used (fp16 is refused: use bf16=True)"),
+    "fp16_backend": ("auto", IGNORE, "mixed precision is torch.autocast"),
+    "adafactor": (False, REFUSE, ("Adafactor is not supported; use optim='adamw_torch' or "
+                  "optimizers=(opt, None)")),
+    "fsdp_min_num_params": (0, IGNORE, "fsdp=True always wraps each decoder layer (FSDP2)"),
+    "fsdp_transformer_layer_cls_to_wrap": (None, IGNORE, ("fsdp=True always wraps each decoder "
+                                           "layer (FSDP2)")),
+    "torchdynamo": (None, IGNORE, "the trainer's model runs eagerly"),
+    "use_legacy_prediction_loop": (False, IGNORE, "evaluation generates with the engine"),
+    "tpu_num_cores": (None, IGNORE, "the device is CUDA when present, else the CPU"),
+    "tpu_metrics_debug": (False, IGNORE, "no TPU metrics"),
+    "push_to_hub_model_id": (None, REFUSE, _HUB),
+    "push_to_hub_organization": (None, REFUSE, _HUB),
+    "push_to_hub_token": (None, REFUSE, _HUB),
     # ---- TRL's GRPOConfig -----------------------------------------------------------------------
     "router_aux_loss_coef": (None, IGNORE, "mixture-of-experts router losses are not added"),
     "cast_lm_head_to_fp32": (False, IGNORE, "master weights are fp32; logprobs are fp32 chunks"),
@@ -221,7 +239,10 @@ _EMPTY = (None, "", (), [], {})
 
 
 # Fields whose TrainingArguments default differs from TRL's: either is a default.
-_BOTH_DEFAULTS = {"remove_unused_columns": (True, False)}
+_BOTH_DEFAULTS = {
+    "remove_unused_columns": (True, False),
+    "include_num_input_tokens_seen": ("no", False),  # transformers 5's default, and 4's
+}
 
 
 def _same(value: Any, default: Any, name: str = "") -> bool:

@@ -119,6 +119,8 @@ def test_trl_value_aliases():
     assert GRPOConfig(epsilon=0.1).epsilon_high == 0.1
     assert GRPOConfig(report_to="none").report_to == []
     assert GRPOConfig(report_to="all").report_to == ["jsonl", "tensorboard"]
+    # transformers 4's default (every integration installed), which a TRL script may pass on
+    assert GRPOConfig(report_to=None).report_to == ["jsonl", "tensorboard"]
     assert GRPOConfig(report_to="jsonl, jsonl").report_to == ["jsonl"]
 
 

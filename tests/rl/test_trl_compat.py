@@ -83,3 +83,20 @@ def test_trl_spellings_are_honoured():
     assert GRPOConfig(logging_steps=0.25).eval_steps == 0.25  # None: logging_steps, as transformers
     with pytest.raises(ValueError, match="logging_steps must be a whole number"):
         GRPOConfig(logging_steps=1.5)
+
+
+def test_transformers_4_fields_are_accepted_and_their_old_names_point_to_the_new():
+    """pyproject admits transformers 4.56, whose TrainingArguments still has fields 5.0 removed:
+    each is accepted at its default (the whole TrainingArguments test above runs under 4.56 in
+    CI); one that would change training is refused with the name to use."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = GRPOConfig(per_gpu_train_batch_size=None, adafactor=False, fp16_backend="auto",
+                       torchdynamo=None, include_num_input_tokens_seen=False)
+    assert c.adafactor is False and c.torchdynamo is None
+    with pytest.raises(ValueError, match=r"per_gpu_train_batch_size=4.*per_device_train_batch_size"):
+        GRPOConfig(per_gpu_train_batch_size=4)
+    with pytest.raises(ValueError, match=r"adafactor=True.*optim="):
+        GRPOConfig(adafactor=True)
+    with pytest.warns(UserWarning, match=r"torchdynamo='inductor' is ignored"):
+        GRPOConfig(torchdynamo="inductor")
