@@ -174,7 +174,10 @@ def summarize(records: list[RequestRecord], t0: float, slo: dict[str, float] | N
         "ttft_ms": distribution([ttft(r) for r in ok]),
         # request sent -> response headers: the client, the wire and the API server's admission
         "response_start_ms": distribution([r.t_response - r.t_start for r in ok if r.t_response]),
+        "first_response_start_s": min((r.t_response - t0 for r in ok if r.t_response), default=None),
         "last_response_start_s": max((r.t_response - t0 for r in ok if r.t_response), default=None),
+        # how long the server took to start producing at all (a burst's admission)
+        "first_token_s": min((r.token_times[0] - t0 for r in ok if r.token_times), default=None),
         "tpot_ms": distribution([v for r in ok if (v := tpot(r)) is not None]),
         "itl_ms": distribution([g for r in ok for g in itls(r)]),
         "e2el_ms": distribution([e2e(r) for r in ok]),

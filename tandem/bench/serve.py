@@ -338,7 +338,9 @@ def print_report(report: dict) -> None:
         sections.append((
             "Response start (ms): sent -> headers (client, wire, API server)",
             [*((k, rs[k]) for k in ("median", "p99", "max")),
-             ("last request's (s after the start)", res["last_response_start_s"])],
+             ("first request's (s after the start)", res["first_response_start_s"]),
+             ("last request's (s after the start)", res["last_response_start_s"]),
+             ("the run's first token (s after the start)", res["first_token_s"])],
         ))
     cl = res["client"]
     sections.append(

@@ -101,10 +101,13 @@ def test_summarize_throughputs_and_failures():
     assert s["goodput"] is None
     assert s["ttft_ms"]["mean"] == pytest.approx(750.0)
     assert s["response_start_ms"]["mean"] is None and s["last_response_start_s"] is None  # none seen
+    assert s["first_response_start_s"] is None
     a.t_response, b.t_response = 0.1, 0.8
     s = summarize([a, b, c], t0=0.0)
     assert s["response_start_ms"]["mean"] == pytest.approx(200.0)  # 100 and 300 ms
     assert s["last_response_start_s"] == pytest.approx(0.8)
+    assert s["first_response_start_s"] == pytest.approx(0.1)
+    assert s["first_token_s"] == pytest.approx(0.5)  # a's first chunk; c (failed) has none
     assert s["itl_ms"]["mean"] == pytest.approx(500.0)
     assert s["max_in_flight"] == 2  # c starts as a ends
 

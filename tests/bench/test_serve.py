@@ -49,6 +49,8 @@ def test_run_with_failures_is_consistent(stub):
         assert 0.0 <= row["response_start_ms"] <= row["ttft_ms"]
     assert res["response_start_ms"]["max"] <= res["ttft_ms"]["max"]
     assert 0.0 < res["last_response_start_s"] <= res["duration_s"]
+    assert 0.0 < res["first_response_start_s"] <= res["last_response_start_s"]
+    assert res["first_response_start_s"] <= res["first_token_s"] <= res["duration_s"]
     assert res["client"]["processes"] == 1 and res["client"]["cpu_s"] > 0
     assert report["gpu"]["available"] in (True, False)
 
