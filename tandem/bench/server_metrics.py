@@ -136,6 +136,10 @@ class QueueSampler:
     A batch below its peak while the engine had requests waiting is the scheduler's doing (KV
     blocks, the token budget); while requests were sent but not yet in the engine (in the API
     server, on the wire) it is admission's; with neither it is the load's (arrivals, the drain).
+    A sample is timed when its answer came, not when it was asked for: the gauges are the
+    server's as it answers, and an API server busy with a burst answers late (0.3-0.7 s on an
+    H200 in `tandem bench serve --request-rate inf`), which timed at the asking made the engine
+    look full too early. How late the answers came is kept (`delays`) and reported.
     A server without the gauges gives no samples. `scrape_fn` is `scrape`'s stand-in in tests."""
 
     def __init__(self, target: TargetConfig, interval_s: float = 0.1, enabled: bool = True,
@@ -143,7 +147,8 @@ class QueueSampler:
         self.interval_s, self.enabled = interval_s, enabled
         self._scrape = scrape_fn or (lambda: scrape(target, timeout_s=max(1.0, 10 * interval_s)))
         self.prefix: str | None = None
-        self.times: list[float] = []
+        self.times: list[float] = []  # when each answer came
+        self.delays: list[float] = []  # how long each answer took
         self.rows: list[tuple[float, float, float | None]] = []  # running, waiting, KV use
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -167,10 +172,13 @@ class QueueSampler:
     def _loop(self) -> None:
         next_t = time.perf_counter()
         while not self._stop.is_set():
-            t, s = time.perf_counter(), self._scrape()
+            asked = time.perf_counter()
+            s = self._scrape()
+            t = time.perf_counter()
             if s is not None:
                 p = self.prefix
                 self.times.append(t)
+                self.delays.append(t - asked)
                 self.rows.append((s.get(p + RUNNING, 0.0), s.get(p + WAITING, 0.0), s.get(p + KV_USAGE)))
             next_t += self.interval_s
             self._stop.wait(max(0.0, next_t - time.perf_counter()))
@@ -183,12 +191,15 @@ class QueueSampler:
         if self.prefix is None:
             return None
         t_line = [t for t, _ in timeline]
-        kept = []
-        for t, (running, waiting, kv) in zip(self.times, self.rows):
+        kept, delays = [], []
+        known_delays = len(self.delays) == len(self.times)
+        for i, (t, (running, waiting, kv)) in enumerate(zip(self.times, self.rows)):
             k = bisect.bisect_right(t_line, t) - 1
             in_flight = timeline[k][1] if k >= 0 else 0
             if window[0] <= t <= window[1] and in_flight > 0:
                 kept.append((running, waiting, kv, max(0.0, in_flight - running - waiting)))
+                if known_delays:
+                    delays.append(self.delays[i])
         out: dict = {"source": self.prefix.rstrip(":"), "interval_s": self.interval_s, "samples": len(kept)}
         if not kept:
             return out
@@ -207,6 +218,7 @@ class QueueSampler:
             waiting_mean=float(waiting.mean()), waiting_max=float(waiting.max()),
             not_yet_in_engine_mean=float(before.mean()), not_yet_in_engine_max=float(before.max()),
             kv_cache_usage_max=float(kv_known.max()) if kv_known.size else None,
+            answer_delay_max_s=max(delays) if delays else None,
             states={name: float(mask.mean()) for name, mask in states.items()},
         )
         return out
@@ -238,4 +250,6 @@ def queue_rows(queue: dict | None) -> list[tuple[str, object]]:
         ("  below it, requests not yet in the engine", s["not_yet_in_engine"]),
         ("  below it, nothing left to run", s["nothing_to_run"]),
         ("KV-cache use, max", queue["kv_cache_usage_max"]),
+        ("slowest /metrics answer (s; samples are timed at the answer)",
+         queue.get("answer_delay_max_s")),
     ]

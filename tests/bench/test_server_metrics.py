@@ -4,6 +4,7 @@ from tandem's own /metrics text and from vLLM's names; a server without them giv
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -195,6 +196,39 @@ def test_queue_sampler_polls_until_stopped():
     assert [r[:2] for r in q.rows[:3]] == [(2.0, 1.0), (3.0, 1.0), (4.0, 1.0)]
     assert q.rows[0][2] is None  # no KV-cache gauge
     assert len(calls) == n  # stopped
+
+
+def test_a_sample_is_timed_when_its_answer_came():
+    """A server too busy to answer at once (an API server reading a burst): the sample carries
+    the time its answer arrived, when the gauges were read, and how long the answer took; the
+    summary and the report give the slowest answer."""
+    calls, asked, release, answered = [], threading.Event(), threading.Event(), threading.Event()
+
+    def slow_scrape():
+        calls.append(1)
+        if len(calls) == 2:  # the first sample's answer is held until the test lets it go
+            asked.set()
+            assert release.wait(10.0)
+        if len(calls) >= 2:
+            answered.set()
+        return {"tandem:num_requests_running": 4.0, "tandem:num_requests_waiting": 0.0}
+
+    q = QueueSampler(TargetConfig(), interval_s=60.0, scrape_fn=slow_scrape)
+    with q:
+        assert asked.wait(10.0)
+        released_at = time.perf_counter()
+        release.set()
+        assert answered.wait(10.0)
+        for _ in range(10_000):  # (appended right after the answer returns; a hang guard only)
+            if q.times:
+                break
+            time.sleep(0.001)
+    assert q.times[0] >= released_at  # timed at the answer, not at the asking
+    assert q.delays[0] >= q.times[0] - released_at
+    got = q.summary([(q.times[0] - 1.0, 8)], window=(q.times[0] - 1.0, q.times[0] + 1.0))
+    assert got["samples"] == 1 and got["answer_delay_max_s"] == q.delays[0]
+    rows = dict(queue_rows(got))
+    assert rows["slowest /metrics answer (s; samples are timed at the answer)"] == q.delays[0]
 
 
 def test_bench_serve_samples_the_queue(stub, capsys, tmp_path):
