@@ -192,14 +192,12 @@ class QueueSampler:
             return None
         t_line = [t for t, _ in timeline]
         kept, delays = [], []
-        known_delays = len(self.delays) == len(self.times)
-        for i, (t, (running, waiting, kv)) in enumerate(zip(self.times, self.rows)):
+        for t, delay, (running, waiting, kv) in zip(self.times, self.delays, self.rows):
             k = bisect.bisect_right(t_line, t) - 1
             in_flight = timeline[k][1] if k >= 0 else 0
             if window[0] <= t <= window[1] and in_flight > 0:
                 kept.append((running, waiting, kv, max(0.0, in_flight - running - waiting)))
-                if known_delays:
-                    delays.append(self.delays[i])
+                delays.append(delay)
         out: dict = {"source": self.prefix.rstrip(":"), "interval_s": self.interval_s, "samples": len(kept)}
         if not kept:
             return out
@@ -218,7 +216,7 @@ class QueueSampler:
             waiting_mean=float(waiting.mean()), waiting_max=float(waiting.max()),
             not_yet_in_engine_mean=float(before.mean()), not_yet_in_engine_max=float(before.max()),
             kv_cache_usage_max=float(kv_known.max()) if kv_known.size else None,
-            answer_delay_max_s=max(delays) if delays else None,
+            answer_delay_max_s=max(delays),
             states={name: float(mask.mean()) for name, mask in states.items()},
         )
         return out
@@ -251,5 +249,5 @@ def queue_rows(queue: dict | None) -> list[tuple[str, object]]:
         ("  below it, nothing left to run", s["nothing_to_run"]),
         ("KV-cache use, max", queue["kv_cache_usage_max"]),
         ("slowest /metrics answer (s; samples are timed at the answer)",
-         queue.get("answer_delay_max_s")),
+         queue["answer_delay_max_s"]),
     ]

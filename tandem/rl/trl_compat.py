@@ -238,10 +238,11 @@ def split_kwargs(kwargs: dict[str, Any], field_names: set[str]) -> dict[str, Any
 _EMPTY = (None, "", (), [], {})
 
 
-# Fields whose TrainingArguments default differs from TRL's: either is a default.
+# Fields with two defaults (TrainingArguments' and TRL's, or transformers 5's and 4's): either
+# is silent.
 _BOTH_DEFAULTS = {
     "remove_unused_columns": (True, False),
-    "include_num_input_tokens_seen": ("no", False),  # transformers 5's default, and 4's
+    "include_num_input_tokens_seen": ("no", False),
 }
 
 

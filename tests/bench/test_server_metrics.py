@@ -129,6 +129,7 @@ def _sampler(samples: list[tuple[float, float, float, float | None]]) -> QueueSa
     q = QueueSampler(TargetConfig(), enabled=False)
     q.prefix = "tandem:"
     q.times = [t for t, *_ in samples]
+    q.delays = [0.0] * len(samples)  # answered at once
     q.rows = [tuple(r) for _, *r in samples]
     return q
 
