@@ -160,7 +160,7 @@ def load_module(path: str, name: str = "decode_attention_baseline"):
 def sweep_configs(args) -> list:
     out = []
     for heads_kv, block_n, warps, stages in itertools.product(
-        [1, 2], [16, 32, 64], [4, 8], [2, 3, 5]
+        [1, 2], [16, 32, 64], [4, 8], [2, 3, 4, 5]
     ):
         if args.kv_heads % heads_kv or heads_kv * args.head_dim > 256:
             continue
@@ -219,7 +219,8 @@ def main() -> None:
                    help="the shortest random length (gen-1.5b-long's decode: a prompt of 100-1024 "
                         "plus the tokens so far)")
     p.add_argument("--baseline", help="a decode_attention.py to time beside the current one")
-    p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time a grid of launch configs, each at every --splits count")
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 8],
                    help="split counts timed besides the default")
     p.add_argument("--hbm-gbs", type=float, default=4200.0,
@@ -234,10 +235,12 @@ def main() -> None:
     default_cfg = current.decode_config(args.kv_heads, args.head_dim, dtype, args.batch,
                                         torch.device("cuda"))
     rows: list[dict] = []
+    swept_all: list[dict] = []
     for context in args.contexts:
         bench = DecodeBench(args, context)
         default_splits = current.default_num_splits(
-            args.batch, args.kv_heads, context, torch.device("cuda"), default_cfg.heads_kv
+            args.batch, args.kv_heads, context, torch.device("cuda"), default_cfg.heads_kv,
+            default_cfg.programs_per_sm,
         )
         if baseline is not None:
             bench.check(baseline.decode_attention)
@@ -266,9 +269,10 @@ def main() -> None:
             bench.sets = plain_sets
         if args.sweep:
             swept = [bench.run(current.decode_attention, "sweep", num_splits=splits, config=cfg)
-                     for cfg in sweep_configs(args) for splits in (1, 2, 4)]
+                     for cfg in sweep_configs(args) for splits in args.splits]
             ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
             rows += ok[:10] + [r for r in swept if "error" in r]
+            swept_all += swept
         del bench
         torch.cuda.empty_cache()
 
@@ -284,7 +288,8 @@ def main() -> None:
         for r in prefill:
             print(f"{r['kernel']:<22}{r['us']:>10.1f}{r['TFLOP/s']:>10.1f}")
         rows += prefill
-    print(json.dumps({"args": vars(args), "default_config": vars(default_cfg), "results": rows}))
+    print(json.dumps({"args": vars(args), "default_config": vars(default_cfg), "results": rows,
+                      "swept": swept_all}))
 
 
 if __name__ == "__main__":
