@@ -239,8 +239,7 @@ def main() -> None:
     for context in args.contexts:
         bench = DecodeBench(args, context)
         default_splits = current.default_num_splits(
-            args.batch, args.kv_heads, context, torch.device("cuda"), default_cfg.heads_kv,
-            default_cfg.programs_per_sm,
+            args.batch, args.kv_heads, context, torch.device("cuda"), default_cfg.heads_kv
         )
         if baseline is not None:
             bench.check(baseline.decode_attention)

@@ -120,6 +120,9 @@ def run_benchmark(cfg: ServeConfig, show_progress: bool = True) -> dict:
         else:
             sent, t0, cpu = _run_in_processes(cfg, bodies, records, offsets, tick, workers)
     results = summarize(sent, t0, parse_slo(cfg.slo))
+    # the run's start on CLOCK_MONOTONIC (time.perf_counter on Linux): server-side timestamps
+    # taken on the same host line up with the per-request times, which count from it
+    results["start_monotonic_s"] = t0
     results["server"] = over_run(counters, scrape(cfg.target) if counters is not None else None)
     results["client"] = _client_stats(cfg, sent, cpu, results["duration_s"])
     timeline = inflight_timeline(sent)

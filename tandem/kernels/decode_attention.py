@@ -2,8 +2,9 @@
 
 Reference: `attention_ref.paged_attention_ref` with one query per sequence. One program per
 (kv-head block, split, sequence) streams its share of the sequence's keys in tiles of BLOCK_N.
-A program serves `heads_kv` kv heads at once (`decode_config`), so a tile is one contiguous run
-of `heads_kv * head_dim` elements per token rather than one head's slice of it.
+A program serves `heads_kv` kv heads at once (both of Qwen2.5-1.5B's below 133 rows on an
+H200: `decode_config`), so a tile is one contiguous run of `heads_kv * head_dim` elements per
+token rather than one head's slice of it.
 Their query heads are stacked block-diagonally, [heads_kv * group, heads_kv * head_dim], so one
 tl.dot scores every query head against its own kv head (the zeros cost tensor-core work, which
 decode has to spare; memory traffic is what counts).
@@ -218,7 +219,6 @@ class DecodeConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    programs_per_sm: int = 2  # what the default split count of the keys aims for
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int) -> int:
@@ -238,19 +238,16 @@ def decode_config(
     every tile behind a full memory round trip).
 
     Given the batch, programs that pair two kv heads of 128 dims (Qwen2.5, Llama 3) pick their
-    config by how many there are per SM, as measured on an H200 (`tandem.bench.kernels --sweep`,
-    bf16):
+    config by how many there are per SM, as measured on an H200 (`tandem.bench.kernels` and a
+    sweep of the fused rotary kernel, bf16, Qwen2.5-1.5B, Qwen2.5-7B and Llama-3-8B heads, 64-256
+    rows, 160-1536 keys, equal and random lengths; 2026-12-02):
 
-    - more than two per SM: four stages (42 KB of shared memory a program against 75 KB at five):
-      1.27-1.36x with equal lengths at 512 programs (Qwen2.5-7B, 256 rows), 1.06-1.12x at 1024;
-      0.95-1.16x with random lengths (the slower at 1536 keys) (2026-12-02);
-    - fewer: one kv head a program in tiles of 64 keys, four stages, and key splits
-      (`default_num_splits`) for four programs an SM (2026-12-03, Qwen2.5-1.5B heads, 32-256
-      rows, 1,024 and 2,048 keys and lengths uniform in 800-2,048: 48 configs x 1-16 splits).
-      Against the config above with splits for two programs an SM: 1.08-1.14x with random
-      lengths at 32-128 rows (`gen-1.5b-long`'s draining batch), 1.00-1.02x with equal lengths,
-      1.01x at 256 rows. The 32-key tiles with no key split that 133-264 programs had before were
-      as fast at 256 rows and 0.92x with random lengths.
+    - more than two programs per SM: four stages (42 KB of shared memory a program against 75 KB
+      at five): 1.27-1.36x with equal lengths at 512 programs (Qwen2.5-7B, 256 rows), 1.06-1.12x
+      at 1024; 0.95-1.16x with random lengths (the slower at 1536 keys);
+    - one to two per SM: one kv head per program, twice the programs (38 KB each): 0.98-1.24x;
+    - fewer: the config above, whose splits of the keys (`default_num_splits`) fill the SMs
+      (one kv head a program there was 0.88x at 1536 random keys, 1.35x at 160).
     """
     heads_kv = heads_per_program(num_kv_heads, head_dim)
     row = heads_kv * triton.next_power_of_2(head_dim)  # elements per token per tile
@@ -261,23 +258,22 @@ def decode_config(
         sms = _num_sms(device if device is not None else torch.device("cpu"))  # (a CPU: the H200's)
         if programs > 2 * sms:
             return DecodeConfig(heads_kv=2, block_n=32, num_warps=4, num_stages=4)
-        return DecodeConfig(heads_kv=1, block_n=64, num_warps=4, num_stages=4, programs_per_sm=4)
+        if programs > sms:
+            return DecodeConfig(heads_kv=1, block_n=32, num_warps=4, num_stages=5)
     return DecodeConfig(heads_kv=heads_kv, block_n=block_n, num_warps=4, num_stages=5)
 
 
 def default_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, device: torch.device, heads_kv: int = 1,
-    programs_per_sm: int = 2,
+    batch: int, num_kv_heads: int, max_context: int, device: torch.device, heads_kv: int = 1
 ) -> int:
-    """Splits enough for about `programs_per_sm` programs an SM, each over at least 32 keys, at
-    most 16 (the config's field: `decode_config`).
+    """Splits enough for about two programs per SM, each over at least 32 keys, at most 16.
 
-    Measured on an H200 (`tandem.bench.kernels`, Qwen2.5-1.5B heads, bf16), two kv heads a
-    program: with 256 programs one split is fastest at every context from 256 to 2048 keys (a
-    second split only adds merge traffic); at 64 programs four splits win, at 16 programs eight.
+    Measured on an H200 (`tandem.bench.kernels`, Qwen2.5-1.5B heads, bf16): with 256 programs one split
+    is fastest at every context from 256 to 2048 keys (a second split only adds merge traffic);
+    at 64 programs four splits win, at 16 programs eight.
     """
     programs = max(1, batch * (num_kv_heads // heads_kv))
-    want = programs_per_sm * _num_sms(device) // programs
+    want = 2 * _num_sms(device) // programs
     return max(1, min(want, triton.cdiv(max_context, 32), 16))
 
 
@@ -351,7 +347,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
         num_splits = default_num_splits(
-            batch, num_kv_heads, max_context, q_BNH.device, cfg.heads_kv, cfg.programs_per_sm
+            batch, num_kv_heads, max_context, q_BNH.device, cfg.heads_kv
         )
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import threading
+import time
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -53,6 +54,7 @@ class StubServer:
         self.tokens_sent = 0
         self.steps = 0
         self.step_tokens = 0
+        self.arrivals: list[float] = []  # time.perf_counter() as each generation request came
         self.payloads: list[dict] = []
         self.base_url = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -102,6 +104,7 @@ class StubServer:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.payloads.append(body)
+        self.arrivals.append(time.perf_counter())
         self.count += 1
         k, cfg = self.count, self.cfg
         if cfg.fail_every and k % cfg.fail_every == 0:

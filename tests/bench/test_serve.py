@@ -84,6 +84,13 @@ def test_split_over_two_client_processes(stub):
     assert res["completed"] == 24 and res["total_output_tokens"] == 96
     assert res["client"]["processes"] == 2
     assert [r["index"] for r in res["requests"]] == list(range(24))
+    # the start on CLOCK_MONOTONIC lines up the server's own clock with the per-request times:
+    # every request came to the server between its send and its response's headers
+    t0, rows = res["start_monotonic_s"], res["requests"]
+    sent = [t0 + (r["schedule_lag_ms"] + r["queue_ms"]) / 1e3 for r in rows]
+    answered = [s + r["response_start_ms"] / 1e3 for s, r in zip(sent, rows)]
+    assert len(server.arrivals) == 24
+    assert min(sent) <= min(server.arrivals) and max(server.arrivals) <= max(answered)
 
 
 def test_a_burst_is_split_over_client_processes_by_default(stub, monkeypatch):

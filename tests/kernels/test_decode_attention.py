@@ -122,28 +122,14 @@ def test_decode_config_by_programs_per_sm():
     """Two 128-dim kv heads a program: the batch picks the config (a CPU counts the H200's 132
     SMs); other shapes keep the one config, whatever the batch."""
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    one_head = DecodeConfig(1, 64, 4, 4, programs_per_sm=4)
     assert decode_config(4, 128, bf16, 256, cpu) == DecodeConfig(2, 32, 4, 4)  # 512 programs
     assert decode_config(8, 128, bf16, 67, cpu) == DecodeConfig(2, 32, 4, 4)  # 268
-    assert decode_config(2, 128, bf16, 256, cpu) == one_head  # 256: one kv head a program
-    assert decode_config(4, 128, bf16, 66, cpu) == one_head  # 132
-    assert decode_config(2, 128, bf16, 1, cpu) == one_head
+    assert decode_config(2, 128, bf16, 256, cpu) == DecodeConfig(1, 32, 4, 5)  # 256: one head each
+    assert decode_config(4, 128, bf16, 67, cpu) == DecodeConfig(1, 32, 4, 5)  # 134
+    assert decode_config(2, 128, bf16, 132, cpu) == DecodeConfig(2, 32, 4, 5)  # 132: splits fill
+    assert decode_config(2, 128, bf16, 1, cpu) == decode_config(2, 128, bf16)
     for shape, dtype in [((3, 64), bf16), ((8, 64), bf16), ((4, 128), torch.float32)]:
         assert decode_config(*shape, dtype, 256, cpu) == decode_config(*shape, dtype)
-
-
-def test_decode_one_head_config_with_uneven_splits(device, paged_kv, close):
-    """The config a few rows of Qwen2.5-1.5B's heads get (one kv head a program, 64-key tiles,
-    splits for four programs an SM: 52 here, capped at 16, over lengths that leave some splits
-    empty), through the default launch, against the reference."""
-    seq_lens = [1, 16, 65, 200, 511]
-    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
-        seq_lens, 2, 6, 128, 16, torch.float16, device, paged_kv
-    )
-    cfg = decode_config(2, 128, torch.float16, len(seq_lens), torch.device(device))
-    assert cfg.heads_kv == 1 and cfg.block_n == 64
-    out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 128**-0.5)
-    close(out, reference(q, k_cache, v_cache, seq_lens, block_tables, 128**-0.5))
 
 
 @pytest.mark.gpu
@@ -151,8 +137,8 @@ def test_decode_one_head_config_with_uneven_splits(device, paged_kv, close):
     (4, 7, 160, 700), (2, 6, 160, 700), (8, 4, 70, 700), (2, 6, 40, 2048), (4, 7, 48, 2048),
 ])
 def test_decode_batch_sized_configs_gpu(num_kv_heads, group, batch, max_len, paged_kv, close):
-    """The configs batches get (four stages; one kv head a program with key splits for four
-    programs an SM), through the default launch, in bf16 with random lengths, against the
+    """The configs batches get (four stages; one kv head a program; two kv heads a program with
+    the keys split), through the default launch, in bf16 with random lengths, against the
     reference."""
     gen = torch.Generator().manual_seed(3)
     seq_lens = torch.randint(1, max_len, (batch,), generator=gen).tolist()
@@ -168,9 +154,6 @@ def test_default_num_splits_depends_on_shapes_only():
     assert default_num_splits(256, 2, 4096, cpu) == 1  # 512 programs: enough without splitting
     assert default_num_splits(256, 2, 4096, cpu, heads_kv=2) == 1
     assert default_num_splits(64, 2, 4096, cpu, heads_kv=2) == 4
-    assert default_num_splits(64, 2, 4096, cpu, programs_per_sm=4) == 4  # 512 programs
-    assert default_num_splits(128, 2, 4096, cpu, programs_per_sm=4) == 2
-    assert default_num_splits(300, 2, 4096, cpu, programs_per_sm=4) == 1
     assert default_num_splits(1, 2, 32768, cpu) == 16
     assert default_num_splits(4, 8, 64, cpu) == 2  # never fewer than 32 keys per split
 
