@@ -75,7 +75,9 @@ class OutputProcessor:
             # stop strings are matched as the text grows: detokenize every token
             det = state.detokenizers[seq.index]
             delta = det.add(seq.last_token_id)
-            if stop is None and delta:
+            # as vLLM's: text that the first min_tokens tokens wrote ends nothing, as their stop
+            # tokens were banned (the token just appended is counted)
+            if stop is None and delta and seq.num_output_tokens > seq.sampling_params.min_tokens:
                 hit = find_stop_string(det.text, len(delta), seq.sampling_params.stop_strings)
                 if hit is not None:
                     stop_str, idx = hit

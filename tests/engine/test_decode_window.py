@@ -83,6 +83,17 @@ def test_min_tokens_are_met_before_a_window_opens():
     assert max(sizes) == 4
 
 
+def test_min_tokens_without_stop_ids_leave_windows_open():
+    """ignore_eos with min_tokens = max_tokens (what `tandem bench serve` and vLLM's benchmark
+    send): no token can end the sample early, so min_tokens bans nothing and windows run."""
+    params = [SamplingParams(temperature=0, max_tokens=9 + 3 * i, min_tokens=9 + 3 * i, ignore_eos=True)
+              for i in range(6)]
+    single, _ = _run(make_tiny_model("qwen2"), PROMPTS, params, 1)
+    window, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4)
+    assert max(sizes) == 4
+    assert window == single
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, logprobs=2),
 ], ids=["top-logprobs"])

@@ -107,6 +107,26 @@ def test_stop_strings(tiny_llama_dir):
     assert_no_leak(llm)
 
 
+def test_min_tokens_hold_stop_strings_back(tiny_llama_dir):
+    """As vLLM's (its PR 22014): a stop string counts only in text that the tokens after the first
+    min_tokens added; one the first min_tokens tokens wrote does not end the sample."""
+    llm = LLM(tiny_llama_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["The capital of"], greedy, use_tqdm=False)[0].outputs[0]
+    k = 6
+    head = llm.generate(["The capital of"], greedy.clone(max_tokens=k), use_tqdm=False)[0].outputs[0].text
+    assert full.text.startswith(head)
+    # a character both the first k tokens and a later one wrote
+    stop = next(c for c in head if not c.isspace() and c in full.text[len(head):])
+    early = llm.generate(["The capital of"], greedy.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert early.text == full.text[: full.text.index(stop)] and len(early.text) < len(head)
+    held = llm.generate(["The capital of"], greedy.clone(stop=[stop], min_tokens=k),
+                        use_tqdm=False)[0].outputs[0]
+    assert held.finish_reason == "stop" and held.stop_reason == stop
+    assert held.text == full.text[: full.text.index(stop, len(head))]
+    assert_no_leak(llm)
+
+
 def test_streamed_deltas_equal_final_text_and_hold_back_stop_strings(tiny_llama_dir):
     llm = LLM(tiny_llama_dir)
     engine = llm.llm_engine
