@@ -10,7 +10,8 @@ times the attention layer's decode step both ways: rotary + cache write, then at
 kernels), and the fused `rotary_store_decode_attention` (one). `--baseline` loads another
 decode_attention module from a file (e.g. an older version, from `git show`) and times it beside
 the current one (with `--rotary`, its fused step too); `--sweep` also tries a grid of launch
-configurations. Prefill reports TFLOP/s of the causal attention matmuls. Ends with one line of
+configurations at every `--splits` count (with `--rotary`, for the fused kernel as well: the one
+the engine runs). Prefill reports TFLOP/s of the causal attention matmuls. Ends with one line of
 JSON.
 """
 
@@ -170,6 +171,14 @@ def sweep_configs(args) -> list:
     return out
 
 
+def sweep(bench: "DecodeBench", fn, label: str, args) -> tuple[list, list]:
+    """Every sweep config at every --splits count: (the ten fastest and the failures, all rows)."""
+    swept = [bench.run(fn, label, num_splits=splits, config=cfg)
+             for cfg in sweep_configs(args) for splits in args.splits]
+    ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
+    return ok[:10] + [r for r in swept if "error" in r], swept
+
+
 def bench_prefill(args, prompt_len, num_prompts):
     dtype = getattr(torch, args.dtype)
     k_cache, v_cache, block_tables = paged_cache(
@@ -220,7 +229,8 @@ def main() -> None:
                         "plus the tokens so far)")
     p.add_argument("--baseline", help="a decode_attention.py to time beside the current one")
     p.add_argument("--sweep", action="store_true",
-                   help="also time a grid of launch configs, each at every --splits count")
+                   help="also time a grid of launch configs, each at every --splits count (with "
+                        "--rotary, the fused kernel's too)")
     p.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 8],
                    help="split counts timed besides the default")
     p.add_argument("--hbm-gbs", type=float, default=4200.0,
@@ -265,12 +275,14 @@ def main() -> None:
                          "default_splits": default_splits})
             if baseline is not None and hasattr(baseline, "rotary_store_decode_attention"):
                 rows.append(bench.run(baseline.rotary_store_decode_attention, "baseline fused"))
+            if args.sweep:  # the engine's kernel: its programs also rotate q and store the token
+                shown, swept = sweep(bench, current.rotary_store_decode_attention, "sweep fused", args)
+                rows += shown
+                swept_all += swept
             bench.sets = plain_sets
         if args.sweep:
-            swept = [bench.run(current.decode_attention, "sweep", num_splits=splits, config=cfg)
-                     for cfg in sweep_configs(args) for splits in args.splits]
-            ok = sorted((r for r in swept if "us" in r), key=lambda r: r["us"])
-            rows += ok[:10] + [r for r in swept if "error" in r]
+            shown, swept = sweep(bench, current.decode_attention, "sweep", args)
+            rows += shown
             swept_all += swept
         del bench
         torch.cuda.empty_cache()

@@ -1,10 +1,11 @@
 """`python -m tandem.bench.kernels --baseline FILE`: another decode_attention.py loads beside the
 current one (the GPU timing itself runs on the H200 only)."""
 
+import argparse
 import inspect
 import sys
 
-from tandem.bench.kernels import load_module
+from tandem.bench.kernels import load_module, sweep, sweep_configs
 from tandem.kernels import decode_attention
 
 
@@ -19,3 +20,24 @@ def test_a_baseline_decode_attention_file_loads_with_its_dataclasses(tmp_path):
         assert callable(module.rotary_store_decode_attention)
     finally:
         sys.modules.pop("decode_attention_baseline", None)
+
+
+def test_sweep_times_every_config_at_every_split_count():
+    """`--sweep`: each config of the grid at each `--splits` count; the table shows the ten
+    fastest and every launch that failed, the JSON every row."""
+    args = argparse.Namespace(kv_heads=2, head_dim=128, splits=[1, 4])
+    calls = []
+
+    class FakeBench:
+        def run(self, fn, label, num_splits, config):
+            calls.append((config, num_splits))
+            if config.num_stages == 5 and config.block_n == 64:
+                return {"kernel": label, "error": "OutOfResources"}
+            return {"kernel": label, "us": 100.0 - len(calls)}
+
+    shown, swept = sweep(FakeBench(), None, "sweep fused", args)
+    configs = sweep_configs(args)
+    assert calls == [(c, s) for c in configs for s in (1, 4)] and len(swept) == len(calls)
+    timed = [r for r in shown if "us" in r]
+    assert [r["us"] for r in timed] == sorted(r["us"] for r in swept if "us" in r)[:10]
+    assert sum("error" in r for r in shown) == sum("error" in r for r in swept) > 0
