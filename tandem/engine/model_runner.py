@@ -172,7 +172,7 @@ class ModelRunner:
             m.generators[row] = seq.generator
         rows, cols = [], []
         for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.sampling_params.min_tokens:
+            if seq.stop_tokens_banned:
                 banned = seq.stop_ids  # EOS (unless ignore_eos) and stop_token_ids
                 rows.extend([row] * len(banned))
                 cols.extend(banned)

@@ -163,16 +163,15 @@ class Scheduler:
         """How many decode steps this decode-only step may run back to back (vLLM v0's
         multi-step scheduling): up to num_scheduler_steps, while no sequence's sampling needs the
         window's tokens on the host (`Sequence.windowable`: no grammars or top-k logprob lists;
-        min_tokens met where a stop token could end the sample: without stop ids, as with
-        ignore_eos, it bans nothing; penalties count them on the device), so the host can judge
-        afterwards where each ended, and none reaches its token limit inside the window. The
-        blocks for the window's tokens are taken now, all or none: a window is never worth a
-        preemption."""
+        no stop ids banned for min_tokens (`Sequence.stop_tokens_banned`); penalties count them
+        on the device), so the host can judge afterwards where each ended, and none reaches its
+        token limit inside the window. The blocks for the window's tokens are taken now, all or
+        none: a window is never worth a preemption."""
         if not out.is_decode_only or not all(out.sampling):  # (a 1-token prompt chunk samples nothing)
             return 1
         steps = self.num_scheduler_steps
         for seq in out.seqs:
-            if not seq.windowable or (seq.stop_ids and seq.num_output_tokens < seq.sampling_params.min_tokens):
+            if not seq.windowable or seq.stop_tokens_banned:
                 return 1
             steps = min(steps, seq.max_num_tokens - seq.num_tokens)
         if steps < 2:

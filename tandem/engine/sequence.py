@@ -125,6 +125,12 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def stop_tokens_banned(self) -> bool:
+        """Whether this step's sampling must ban the stop ids (min_tokens not yet met and there
+        are some: with ignore_eos and no stop_token_ids, min_tokens bans nothing)."""
+        return bool(self.stop_ids) and self.num_output_tokens < self.sampling_params.min_tokens
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
 
