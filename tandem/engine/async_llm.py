@@ -76,7 +76,7 @@ class AsyncLLM:
         self._call_ids = itertools.count()
         self._lock = threading.Lock()  # orders registrations against the core's exit
         self._error: EngineUnavailable | None = None  # set once the core is gone
-        self._num_submitted = 0  # sequences sent in add commands (event loop side)
+        self._num_submitted = 0  # sequences sent in add commands (under _lock)
         self._stopping = False
         self.engine_died = False  # the core went away without being told to stop
         self.on_engine_death: Callable[[], None] | None = None  # called then, from its thread
@@ -139,30 +139,26 @@ class AsyncLLM:
 
     # -- the event loop side ---------------------------------------------------------------------
     def submit(
-        self, requests: list[tuple[str, PromptType, SamplingParams]], output_kind: str = "delta"
+        self,
+        requests: list[tuple[str, PromptType, SamplingParams]],
+        output_kind: str = "delta",
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestStream:
-        """Queue requests (prompts validated already) and return the stream of their outputs.
+        """Queue requests (prompts validated already) and return the stream of their outputs,
+        read on `loop` (the running one by default: another thread, the tokenizer's, names the
+        loop that will read it).
 
         Admission control counts sequences (prompts x n): raises Overloaded when they would
         overfill the waiting queue, TooLarge when they never could.
         """
         num_seqs = sum(params.n for _, _, params in requests)
-        if self.max_waiting_requests is not None:
-            if num_seqs > self.max_waiting_requests:
-                raise TooLarge(
-                    f"{len(requests)} prompts x n make {num_seqs} sequences, more than this "
-                    f"server ever queues ({self.max_waiting_requests}); send fewer prompts or a "
-                    "lower n"
-                )
-            stats = self.stats
-            waiting = stats.num_waiting_seqs + self._num_submitted - stats.num_added
-            if waiting + num_seqs > self.max_waiting_requests:
-                self.metrics.rejected += 1
-                raise Overloaded(
-                    f"the server is at capacity ({waiting} sequences waiting, at most "
-                    f"{self.max_waiting_requests}); retry later"
-                )
-        stream = RequestStream(self, requests, output_kind)
+        if self.max_waiting_requests is not None and num_seqs > self.max_waiting_requests:
+            raise TooLarge(
+                f"{len(requests)} prompts x n make {num_seqs} sequences, more than this "
+                f"server ever queues ({self.max_waiting_requests}); send fewer prompts or a "
+                "lower n"
+            )
+        stream = RequestStream(self, requests, output_kind, loop)
         adds, texts = [], []
         for rid, prompt, params in requests:
             text = None
@@ -171,13 +167,22 @@ class AsyncLLM:
                 params = params.clone(detokenize=False)  # the engine sends token ids only
             adds.append((ADD, rid, prompt, params, output_kind))
             texts.append(text)
-        with self._lock:
+        with self._lock:  # (requests come from the event loop and from the tokenizer's thread)
             if self._error is not None:
                 raise self._error
+            if self.max_waiting_requests is not None:
+                stats = self.stats
+                waiting = stats.num_waiting_seqs + self._num_submitted - stats.num_added
+                if waiting + num_seqs > self.max_waiting_requests:
+                    self.metrics.rejected += 1
+                    raise Overloaded(
+                        f"the server is at capacity ({waiting} sequences waiting, at most "
+                        f"{self.max_waiting_requests}); retry later"
+                    )
             for i, (rid, _, _) in enumerate(requests):
                 self._live[rid] = (stream, i, texts[i])
             self.engine_core.send(adds)
-        self._num_submitted += num_seqs
+            self._num_submitted += num_seqs
         return stream
 
     async def generate(
@@ -221,12 +226,13 @@ class AsyncLLM:
         its result travel by pickle: a module-level function, a picklable result."""
         return await self.call_utility("call", fn, *args)
 
-    async def encode(self, text: str, **kwargs: Any) -> list[int]:
+    async def encode(self, text: str, then: Callable[[list[int]], Any] | None = None,
+                     undo: Callable[[Any], None] | None = None, **kwargs: Any) -> Any:
         """`tokenizer.encode(text, **kwargs)` in the tokenizer's thread, batched with the texts
-        that wait beside it (`MicrobatchTokenizer`)."""
+        that wait beside it; with `then`, `then(ids)` there too (`MicrobatchTokenizer.encode`)."""
         if self._encoder is None:
             raise ValueError("this model has no tokenizer: send token ids")
-        return await self._encoder.encode(text, **kwargs)
+        return await self._encoder.encode(text, then, undo, **kwargs)
 
     async def run_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` (tokenizer work) in the tokenizer's thread."""

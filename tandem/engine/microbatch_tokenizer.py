@@ -8,6 +8,11 @@ GIL, on as many cores as it has texts. Here the texts that arrive while a batch 
 make the next batch: one text alone goes at once, a burst goes in a few calls. The batches run on
 the tokenizer's one thread, beside the other tokenizer work (chat templates, decoding), since an
 HF tokenizer must not be used from two threads at once.
+
+`encode(text, then=fn)` also runs `fn(ids)` on that thread as soon as the text's batch is
+encoded, and returns what it returns: an API server hands a request to the engine there. On the
+event loop the caller would resume only after everything queued before it, and in a burst that is
+every other request's parsing and checks: the engine waited for the whole burst to be read.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
 __all__ = ["MicrobatchTokenizer"]
 
-# one pending text: the text, the encode call's keyword arguments, where its result goes
-_Item = tuple[str, tuple, asyncio.Future, asyncio.AbstractEventLoop]
+# one pending text: the text, the encode call's keyword arguments, where its result goes, and
+# the caller's `then` and `undo` (or None)
+_Item = tuple[str, tuple, asyncio.Future, asyncio.AbstractEventLoop, Callable | None, Callable | None]
+# what goes back to a caller: its future and loop, the result or the error, its `undo`
+_Result = tuple[asyncio.Future, asyncio.AbstractEventLoop, Any, BaseException | None, Callable | None]
 
 
 class MicrobatchTokenizer:
@@ -39,12 +48,16 @@ class MicrobatchTokenizer:
         self._batched = bool(getattr(tokenizer, "is_fast", False))
         self.num_batches = 0  # batch calls made (for tests and tools)
 
-    async def encode(self, text: str, **kwargs: Any) -> list[int]:
+    async def encode(self, text: str, then: Callable[[list[int]], Any] | None = None,
+                     undo: Callable[[Any], None] | None = None, **kwargs: Any) -> Any:
+        """The ids of `text`; with `then`, `then(ids)` run on the tokenizer's thread right after
+        the batch (its exceptions are the caller's), and `undo(result)` run on the caller's loop
+        if the caller was cancelled before the result reached it."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         key = tuple(sorted(kwargs.items()))
         hash(key)  # (TypeError here, for the caller, rather than in the drain)
-        item = (text, key, fut, loop)
+        item = (text, key, fut, loop, then, undo)
         with self._lock:
             if self._closed is not None:
                 raise self._closed
@@ -68,7 +81,7 @@ class MicrobatchTokenizer:
         with self._lock:
             self._closed = error
             pending, self._pending = self._pending, []
-        _deliver([(fut, loop, None, error) for _, _, fut, loop in pending])
+        _deliver([(fut, loop, None, error, None) for _, _, fut, loop, _, _ in pending])
 
     # -- the tokenizer's thread --------------------------------------------------------------------
     def _drain(self) -> None:
@@ -84,7 +97,7 @@ class MicrobatchTokenizer:
             for key, items in by_kwargs.items():
                 _deliver(self._encode_items(items, dict(key)))
 
-    def _encode_items(self, items: list[_Item], kwargs: dict) -> list:
+    def _encode_items(self, items: list[_Item], kwargs: dict) -> list[_Result]:
         live = [item for item in items if not item[2].cancelled()]  # (a client went away)
         if self._batched and len(live) > 1:
             self.num_batches += 1
@@ -93,40 +106,58 @@ class MicrobatchTokenizer:
             except BaseException:  # noqa: BLE001 (a Rust panic is a BaseException)
                 ids = None  # one bad text must fail alone: encode them one at a time
             if ids is not None:
-                return [(fut, loop, list(i), None) for (_, _, fut, loop), i in zip(live, ids)]
+                return [_then(item, list(i)) for item, i in zip(live, ids)]
         results = []
-        for text, _, fut, loop in live:
+        for item in live:
+            text, _, fut, loop, _, _ = item
             try:
                 if self._batched:  # a batch of one runs outside the GIL too
                     self.num_batches += 1
                     ids = list(self.tokenizer([text], **kwargs)["input_ids"][0])
                 else:
                     ids = self.tokenizer.encode(text, **kwargs)
-                results.append((fut, loop, ids, None))
             except Exception as e:  # noqa: BLE001 (the caller's error, as encode would raise it)
-                results.append((fut, loop, None, e))
+                results.append((fut, loop, None, e, None))
+                continue
             except BaseException as e:  # noqa: BLE001 (a Rust panic): an error like any other
-                results.append((fut, loop, None, RuntimeError(f"the tokenizer failed: {e!r}")))
+                results.append((fut, loop, None, RuntimeError(f"the tokenizer failed: {e!r}"), None))
+                continue
+            results.append(_then(item, ids))
         return results
 
 
-def _deliver(results: list) -> None:
+def _then(item: _Item, ids: list[int]) -> _Result:
+    """The caller's result for `ids`: `then(ids)` where it gave one (its error otherwise)."""
+    _, _, fut, loop, then, undo = item
+    if then is None:
+        return fut, loop, ids, None, None
+    try:
+        return fut, loop, then(ids), None, undo
+    except Exception as e:  # noqa: BLE001 (the caller's error, raised where it awaits)
+        return fut, loop, None, e, None
+
+
+def _deliver(results: list[_Result]) -> None:
     """Set each future's result or error on its own loop, one call a loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-    for fut, loop, ids, error in results:
-        by_loop[loop].append((fut, ids, error))
+    for fut, loop, value, error, undo in results:
+        by_loop[loop].append((fut, value, error, undo))
     for loop, items in by_loop.items():
         try:
             loop.call_soon_threadsafe(_set_all, items)
         except RuntimeError:
-            pass  # the loop is closed: nobody is waiting any more
+            for _, value, error, undo in items:  # the loop is closed: nobody is waiting any more
+                if undo is not None and error is None:
+                    undo(value)
 
 
 def _set_all(items: list) -> None:
-    for fut, ids, error in items:
-        if fut.done():
-            continue  # cancelled meanwhile
+    for fut, value, error, undo in items:
+        if fut.done():  # cancelled meanwhile: what `then` did is undone
+            if undo is not None and error is None:
+                undo(value)
+            continue
         if error is not None:
             fut.set_exception(error)
         else:
-            fut.set_result(ids)
+            fut.set_result(value)

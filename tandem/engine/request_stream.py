@@ -61,8 +61,9 @@ class RequestStream:
         llm: AsyncLLM,
         requests: list[tuple[str, PromptType, SamplingParams]],
         output_kind: str,
+        loop: asyncio.AbstractEventLoop | None = None,
     ):
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.queue = OutputQueue()
         self.request_ids = [rid for rid, _, _ in requests]
         self.output_kind = output_kind

@@ -35,16 +35,21 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(req)
-        prompt = await self._render(req)
+        text = await self._render_text(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.make_params(req, prompt["prompt_token_ids"], field, logprobs, "messages")
         rid = new_id("chatcmpl")
-        stream = self.submit([(rid, prompt, params)], "delta" if req.stream else "final_only")
+
+        def build(ids: list[int]) -> list:
+            params = self.make_params(req, ids, field, logprobs, "messages")
+            return [(rid, {"prompt": text, "prompt_token_ids": ids}, params)]
+
+        ids, stream = await self.encode_and_submit(
+            text, "messages", "delta" if req.stream else "final_only", build,
+            add_special_tokens=False,
+        )
         if req.stream:
-            return self.event_stream(
-                self._events(req, rid, stream, prompt["prompt_token_ids"]), stream
-            )
+            return self.event_stream(self._events(req, rid, stream, ids), stream)
         finals = await self.run_to_end(raw, stream)
         if finals is None:
             return disconnected_response()
@@ -78,6 +83,14 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _render(self, req: ChatCompletionRequest | TokenizeRequest) -> dict:
         """The prompt text and ids, exactly as `LLM.chat` makes them."""
+        text = await self._render_text(req)
+        return {
+            "prompt": text,
+            "prompt_token_ids": await self.encode(text, "messages", add_special_tokens=False),
+        }
+
+    async def _render_text(self, req: ChatCompletionRequest | TokenizeRequest) -> str:
+        """The prompt text, the chat template applied as `LLM.chat` does."""
         tok = self.llm.tokenizer
         if tok is None:
             raise APIError(
@@ -113,10 +126,7 @@ class OpenAIServingChat(OpenAIServing):
                 param="messages",
                 code="chat_template_error",
             ) from None
-        return {
-            "prompt": text,
-            "prompt_token_ids": await self.encode(text, "messages", add_special_tokens=False),
-        }
+        return text
 
     async def _events(
         self, req: ChatCompletionRequest, rid: str, stream: RequestStream, prompt_ids: list[int]

@@ -31,14 +31,27 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_request(req)
-        prompts = [await self._tokenize(p) for p in req.prompts()]
-        params = [
-            self.make_params(req, p["prompt_token_ids"], "max_tokens", req.logprobs, "prompt")
-            for p in prompts
-        ]
         base = new_id("cmpl")
-        requests = [(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        stream = self.submit(requests, "delta" if req.stream else "final_only")
+        output_kind = "delta" if req.stream else "final_only"
+        texts = req.prompts()
+        if len(texts) == 1 and isinstance(texts[0], str):  # one text: handed over once encoded
+            text = texts[0]
+            self._check_tokenizer()
+
+            def build(ids: list[int]) -> list:
+                params = self.make_params(req, ids, "max_tokens", req.logprobs, "prompt")
+                return [(f"{base}-0", {"prompt": text, "prompt_token_ids": ids}, params)]
+
+            ids, stream = await self.encode_and_submit(text, "prompt", output_kind, build)
+            prompts = [{"prompt": text, "prompt_token_ids": ids}]
+        else:
+            prompts = [await self._tokenize(p) for p in texts]
+            params = [
+                self.make_params(req, p["prompt_token_ids"], "max_tokens", req.logprobs, "prompt")
+                for p in prompts
+            ]
+            requests = [(f"{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+            stream = self.submit(requests, output_kind)
         if req.stream:
             num_prompt = sum(len(p["prompt_token_ids"]) for p in prompts)
             return self.event_stream(self._events(req, base, stream, num_prompt), stream)
@@ -50,6 +63,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _tokenize(self, prompt: str | list[int]) -> dict:
         if not isinstance(prompt, str):
             return {"prompt": None, "prompt_token_ids": list(prompt)}
+        self._check_tokenizer()
+        return {"prompt": prompt, "prompt_token_ids": await self.encode(prompt, "prompt")}
+
+    def _check_tokenizer(self) -> None:
         if self.llm.tokenizer is None:
             raise APIError(
                 "prompt: this model has no tokenizer, so text prompts cannot be encoded; send "
@@ -57,7 +74,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 param="prompt",
                 code="no_tokenizer",
             )
-        return {"prompt": prompt, "prompt_token_ids": await self.encode(prompt, "prompt")}
 
     def _echo(self, out: RequestOutput) -> str:
         if out.prompt is not None:

@@ -78,9 +78,10 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    async def encode(self, text: str, param: str, **kwargs) -> list[int]:
+    async def encode(self, text: str, param: str, then=None, undo=None, **kwargs):
         """Token ids of `text`, encoded off the event loop; a 400 for text too long to fit, or
-        not valid Unicode (a lone surrogate, which JSON can carry and the tokenizer cannot take)."""
+        not valid Unicode (a lone surrogate, which JSON can carry and the tokenizer cannot take).
+        With `then`: what `then(ids)` returns, run on the tokenizer's thread (`AsyncLLM.encode`)."""
         self.check_prompt_chars(len(text), param)
         try:
             text.encode("utf-8")
@@ -90,7 +91,31 @@ class OpenAIServing:
                 param=param,
                 code="invalid_unicode",
             ) from None
-        return await self.llm.encode(text, **kwargs)
+        return await self.llm.encode(text, then, undo, **kwargs)
+
+    async def encode_and_submit(
+        self,
+        text: str,
+        param: str,
+        output_kind: str,
+        build: Callable[[list[int]], list[tuple[str, dict, SamplingParams]]],
+        **kwargs,
+    ) -> tuple[list[int], RequestStream]:
+        """`text` encoded, and the requests `build(ids)` makes of it (checked there) handed to
+        the engine on the tokenizer's thread as soon as its batch is encoded; the ids and the
+        stream. Resuming this handler on the event loop first would hand the request over only
+        after everything queued before it: in a burst, every other request's parsing and checks,
+        while the engine waits (docs/benchmarks.md). A 400 from `build` or `submit` is raised
+        here as before; a client gone meanwhile has its requests aborted."""
+        loop = asyncio.get_running_loop()
+
+        def then(ids: list[int]) -> tuple[list[int], RequestStream]:
+            return ids, self.submit(build(ids), output_kind, loop)
+
+        def undo(result: tuple[list[int], RequestStream]) -> None:
+            self.llm.abort(result[1].request_ids)
+
+        return await self.encode(text, param, then, undo, **kwargs)
 
     def make_params(
         self,
@@ -132,9 +157,13 @@ class OpenAIServing:
         return params
 
     def submit(
-        self, requests: list[tuple[str, dict, SamplingParams]], output_kind: str
+        self,
+        requests: list[tuple[str, dict, SamplingParams]],
+        output_kind: str,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> RequestStream:
-        """Hand checked requests to the engine, or answer 503 (queue full, engine asleep/gone)."""
+        """Hand checked requests to the engine, or answer 503 (queue full, engine asleep/gone);
+        `loop`: where the stream is read, when this runs on another thread."""
         retry = {"Retry-After": str(self.retry_after_s)}
         if self.llm.is_sleeping:
             raise APIError(
@@ -144,7 +173,7 @@ class OpenAIServing:
                 headers=retry,
             )
         try:
-            return self.llm.submit(requests, output_kind)
+            return self.llm.submit(requests, output_kind, loop)
         except Overloaded as e:
             raise APIError(str(e), 503, code="overloaded", headers=retry) from None
         except TooLarge as e:  # a retry cannot help

@@ -497,3 +497,101 @@ def test_async_llm_encode_equals_its_tokenizer(tiny_llama_dir):
     finally:
         if not stopped:
             llm.shutdown()
+
+
+def test_then_runs_on_the_tokenizers_thread_after_the_batch_and_its_result_is_returned(tok, executor):
+    """`encode(text, then=fn)`: fn(ids) runs on the executor's thread, once the batch the text
+    went in is encoded (every text of the burst has its ids by then), before any caller resumes;
+    the caller gets what fn returns, and a text without `then` its ids as before."""
+    mt = MicrobatchTokenizer(tok, executor)
+    texts = ["zero", "one two", "three"]
+    calls = []  # (thread name, ids, callers resumed so far)
+    resumed = []
+
+    def then(ids):
+        calls.append((threading.current_thread().name, ids, len(resumed)))
+        return ("handed over", ids)
+
+    async def one(i, text):
+        got = await mt.encode(text, then=then if i != 1 else None)
+        resumed.append(i)
+        return got
+
+    async def main():
+        with _blocked(executor):
+            tasks = [asyncio.ensure_future(one(i, t)) for i, t in enumerate(texts)]
+            await _until_pending(mt, len(texts))
+        return await _gather_and_settle(tasks, executor)
+
+    got = asyncio.run(main())
+    ids = [tok.encode(t) for t in texts]
+    assert got == [("handed over", ids[0]), ids[1], ("handed over", ids[2])]
+    assert [c[1] for c in calls] == [ids[0], ids[2]]
+    assert all(name.startswith("test-tokenizer") for name, _, _ in calls)
+    assert all(n == 0 for _, _, n in calls)  # both ran before any caller resumed
+    assert mt.num_batches == 1
+
+
+def test_an_error_in_then_is_its_callers_alone(tok, executor):
+    """An exception `then` raises reaches its caller as encode's; the batch's other callers get
+    their results; nothing is undone for the failed one."""
+    mt = MicrobatchTokenizer(tok, executor)
+    undone = []
+
+    def then(ids):
+        if len(ids) > 5:
+            raise ValueError(f"{len(ids)} tokens")
+        return ids
+
+    async def main():
+        errors = _record_loop_errors(asyncio.get_running_loop())
+        with _blocked(executor):
+            tasks = [asyncio.ensure_future(mt.encode(t, then=then, undo=undone.append))
+                     for t in ("a", "one two three", "b")]
+            await _until_pending(mt, 3)
+        return await _gather_and_settle(tasks, executor), errors
+
+    got, errors = asyncio.run(main())
+    assert got[0] == tok.encode("a") and got[2] == tok.encode("b")
+    assert isinstance(got[1], ValueError) and "tokens" in str(got[1])
+    assert undone == [] and errors == []
+
+
+def test_a_caller_cancelled_after_then_ran_has_it_undone(tok, executor):
+    """A caller that goes away while `then` runs (what it did, e.g. a request handed to the
+    engine, cannot be taken back there): `undo(result)` runs on the caller's loop instead of the
+    result being set; a caller cancelled before its batch never runs `then` at all."""
+    mt = MicrobatchTokenizer(tok, executor)
+    entered, go = threading.Event(), threading.Event()
+    ran, undone = [], []
+
+    def then(ids):
+        ran.append(ids)
+        if len(ran) == 1:  # the first caller's then: held until the test cancels that caller
+            entered.set()
+            assert go.wait(GUARD_S)
+        return ("result", ids)
+
+    def undo(result):
+        undone.append((threading.current_thread().name, result))
+
+    async def main():
+        errors = _record_loop_errors(asyncio.get_running_loop())
+        with _blocked(executor):
+            tasks = [asyncio.ensure_future(mt.encode(t, then=then, undo=undo))
+                     for t in ("first", "second", "third")]
+            await _until_pending(mt, 3)
+            tasks[2].cancel()  # before its batch: `then` never runs for it
+            await asyncio.sleep(0)
+        assert await asyncio.to_thread(entered.wait, GUARD_S)
+        tasks[0].cancel()
+        await asyncio.sleep(0)
+        go.set()
+        return await _gather_and_settle(tasks, executor), errors
+
+    got, errors = asyncio.run(main())
+    assert isinstance(got[0], asyncio.CancelledError) and isinstance(got[2], asyncio.CancelledError)
+    assert got[1] == ("result", tok.encode("second"))
+    assert ran == [tok.encode("first"), tok.encode("second")]
+    assert undone == [("MainThread", ("result", tok.encode("first")))]
+    assert errors == []
