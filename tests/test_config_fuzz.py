@@ -82,6 +82,7 @@ ENGINE = {
     "stream_interval": _int(1, _COUNT),
     "max_admission_delay_steps": _int(0, _COUNT),
     "num_scheduler_steps": _int(1, 64, optional=True),
+    "decode_window_min_seqs": _int(1, 256, optional=True),  # at most max_num_seqs (its default)
     # None, or a local directory or file (a drawn "/" or "." exists)
     "tokenizer": lambda v: v is None or (isinstance(v, str) and v != "" and os.path.exists(v)),
     "revision": lambda v: v is None or (isinstance(v, str) and v != ""),

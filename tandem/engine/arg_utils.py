@@ -47,7 +47,9 @@ _HELP = {
     "max_admission_delay_steps": "new prompts wait up to this many CUDA-graph decode steps to join "
     "the running batch together (0: at once)",
     "num_scheduler_steps": "decode steps run back to back per scheduling round (the host books "
-    "and reads back once per window; 1: every step; None: 4 offline on CUDA, else 1)",
+    "and reads back once per window; 1: every step; None: 4 on CUDA, else 1)",
+    "decode_window_min_seqs": "decode windows run only while at least this many sequences decode "
+    "(None: 1 offline; max_num_seqs in `tandem serve`: windows only with the batch full)",
     "decode_gemm": "cublas | triton (the Triton GEMM where this GPU's table says it wins) | a table "
     "(.json) from `python -m tandem.bench.gemm --table-out`",
     "structured_outputs_backend": "auto (regexes, choices, closed JSON schemas as token automata on the "

@@ -54,6 +54,7 @@ class LLMEngine:
             # without graphs no step is cheaper than another: holding prompts back gains nothing
             config.max_admission_delay_steps if self.worker.has_graphs else 0,
             config.num_scheduler_steps,
+            config.decode_window_min_seqs or 1,
         )
         # vLLM's async scheduling: on by default where a device runs asynchronously to the host
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None

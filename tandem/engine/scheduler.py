@@ -56,6 +56,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         max_admission_delay_steps: int = 0,
         num_scheduler_steps: int = 1,
+        decode_window_min_seqs: int = 1,
     ):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -66,6 +67,7 @@ class Scheduler:
         self.max_admission_delay_steps = max_admission_delay_steps
         self.admission_batch_tokens = max(1, max_num_batched_tokens // 2)
         self.num_scheduler_steps = num_scheduler_steps
+        self.decode_window_min_seqs = decode_window_min_seqs  # EngineConfig's: windows only at this batch
         self._held_steps = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -114,7 +116,8 @@ class Scheduler:
 
         if out.num_preempted:
             return out  # memory is short: do not admit new work this step
-        if self.num_scheduler_steps > 1 and out.seqs and (not self.waiting or len(running) >= self.max_num_seqs):
+        if (self.num_scheduler_steps > 1 and out.seqs and len(running) >= self.decode_window_min_seqs
+                and (not self.waiting or len(running) >= self.max_num_seqs)):
             out.num_steps = self._decode_window(out)
             if out.num_steps > 1:
                 return out  # nothing could join this step anyway

@@ -94,6 +94,23 @@ def test_min_tokens_without_stop_ids_leave_windows_open():
     assert window == single
 
 
+def test_windows_run_only_with_decode_window_min_seqs_sequences():
+    """decode_window_min_seqs=4 (a server's max_num_seqs, say): windows while at least 4 of the 6
+    samples decode, single steps once fewer are left; what the samples hold is unchanged."""
+    params = [SamplingParams(temperature=0, max_tokens=9 + 3 * i, ignore_eos=True) for i in range(6)]
+    single, _ = _run(make_tiny_model("qwen2"), PROMPTS, params, 1)
+    llm = LLM(make_tiny_model("qwen2"), num_scheduler_steps=4, decode_window_min_seqs=4, block_size=4)
+    scheduled = record_schedules(llm)
+    assert _summary(llm.generate(PROMPTS, params, use_tqdm=False)) == single
+    assert_no_leak(llm)
+    rows = [(len(s.seqs), s.num_steps) for s in scheduled if s.is_decode_only]
+    assert max(n for _, n in rows) == 4 and all(rows_ >= 4 for rows_, n in rows if n > 1)
+    assert any(rows_ < 4 for rows_, _ in rows)  # the tail ran step by step
+    # with the default (1) the same tail runs in windows too
+    _, sizes = _run(make_tiny_model("qwen2"), PROMPTS, params, 4)
+    assert sizes[-1] > 1 or sizes[-2] > 1
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, logprobs=2),
 ], ids=["top-logprobs"])
@@ -175,6 +192,10 @@ def test_num_scheduler_steps_is_checked():
 
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineConfig(num_scheduler_steps=0)
+    with pytest.raises(ValueError, match="decode_window_min_seqs"):
+        EngineConfig(decode_window_min_seqs=0)
+    with pytest.raises(ValueError, match=r"decode_window_min_seqs \(9\) must be at most max_num_seqs \(8\)"):
+        EngineConfig(max_num_seqs=8, decode_window_min_seqs=9)
 
 
 def test_every_step_of_a_window_reads_16_byte_aligned_inputs():
@@ -283,9 +304,10 @@ def test_gpu_windows_with_cuda_graphs_sample_what_single_steps_do(params):
     assert window == single
 
 
-def test_windows_are_on_by_default_only_offline_on_cuda(tiny_llama_dir):
-    """None: windows of 4 where the host runs ahead of the device (an offline engine on CUDA),
-    single steps on a CPU and behind the server (a prompt arriving mid-window would wait)."""
+def test_windows_are_on_by_default_on_cuda_and_only_with_a_full_batch_in_a_server(tiny_llama_dir):
+    """None: windows of 4 where the host runs ahead of the device (CUDA), single steps on a CPU;
+    behind a server they run only with the batch full (decode_window_min_seqs = max_num_seqs),
+    when no arriving prompt could join anyway."""
     import torch
 
     from tandem.config import EngineConfig
@@ -297,12 +319,16 @@ def test_windows_are_on_by_default_only_offline_on_cuda(tiny_llama_dir):
     assert llm.llm_engine.config.num_scheduler_steps == (4 if cuda else 1)
     assert LLM(model, num_scheduler_steps=2, **({"gpu_memory_utilization": 0.2} if cuda else {})
                ).llm_engine.config.num_scheduler_steps == 2
+    assert llm.llm_engine.scheduler.decode_window_min_seqs == 1
     # the server's engines (tandem serve's, one API server or several): a config of their own
     assert EngineConfig(num_scheduler_steps=3).for_serving().num_scheduler_steps == 3
+    assert EngineConfig(max_num_seqs=64, decode_window_min_seqs=2).for_serving().decode_window_min_seqs == 2
     served = EngineConfig(model=tiny_llama_dir, max_num_seqs=8, **({"gpu_memory_utilization": 0.2} if cuda else {}))
     online = AsyncLLM(served, engine_mode="thread")
     try:
-        assert online.engine_core.engine.config.num_scheduler_steps == 1
-        assert served.num_scheduler_steps is None
+        engine = online.engine_core.engine
+        assert engine.config.num_scheduler_steps == (4 if cuda else 1)
+        assert engine.scheduler.decode_window_min_seqs == 8
+        assert served.num_scheduler_steps is None and served.decode_window_min_seqs is None
     finally:
         online.shutdown()
