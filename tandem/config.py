@@ -79,7 +79,7 @@ class EngineConfig:
     # in a server (`for_serving`), so that windows run only when the batch is full, when no
     # arriving prompt could join it anyway: below that a prompt joins at the next step and tokens
     # stream one step at a time, as without windows, and at saturation the host books once a
-    # window (on an H200, `bench serve`'s saturated burst went from 82-83% of offline to 88-90%).
+    # window (on an H200, `bench serve`'s saturated burst went from a median 84% of offline to 89%).
     decode_window_min_seqs: int | None = None
     # Every op with a fixed per-row arithmetic (tandem.batch_invariant): a token's logits depend on
     # its sequence alone, so a trainer scoring the rollout with the same kernels gets the engine's
