@@ -82,7 +82,7 @@ def start_workers(config, hf_model=None, tokenizer=None, llm_cls=None):
     # Before the ranks start, CUDA must stay uninitialised here for them to be forked
     # (resolve_device's current_device() would initialise it).
     if hf_model is None:
-        device = _device_without_cuda_init(config.device)
+        device = device_without_cuda_init(config.device)
     else:
         device = resolve_device(config.device, hf_model)
     if device.type == "cuda" and device.index + tp > torch.cuda.device_count():
@@ -129,7 +129,7 @@ def start_workers(config, hf_model=None, tokenizer=None, llm_cls=None):
     return TPWorkers(state), None
 
 
-def _device_without_cuda_init(device: str) -> torch.device:
+def device_without_cuda_init(device: str) -> torch.device:
     """resolve_device for a model named by path, without creating a CUDA context."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

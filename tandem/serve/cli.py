@@ -8,7 +8,12 @@ import os
 import sys
 
 from tandem.engine.arg_utils import add_engine_args, check_model_arg, engine_kwargs
-from tandem.serve.config import ENGINE_MODES, ServeConfig
+from tandem.serve.config import (
+    AUTO_API_SERVERS_MAX,
+    AUTO_CORES_PER_API_SERVER,
+    ENGINE_MODES,
+    ServeConfig,
+)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded default model
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -49,8 +54,9 @@ def add_subcommands(subparsers) -> None:
         type=int,
         default=defaults.api_server_count,
         help="API-server processes sharing the port and one engine core: HTTP, tokenization and "
-        "streaming then run on that many CPU cores; each serves its own request metrics "
-        f"(default: {defaults.api_server_count})",
+        "streaming then run on that many CPU cores (default: one per "
+        f"{AUTO_CORES_PER_API_SERVER} CPU cores, at most {AUTO_API_SERVERS_MAX}, for a CUDA "
+        "engine in its own process without --enable-admin-api; else 1)",
     )
     p.add_argument(
         "--max-waiting-requests",
@@ -102,6 +108,7 @@ def add_subcommands(subparsers) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.config import EngineConfig
     from tandem.engine.async_llm import AsyncLLM
+    from tandem.engine.executor import device_without_cuda_init
     from tandem.serve.app import build_app
     from tandem.serve.server import bind_socket, print_listening, serve
 
@@ -128,11 +135,13 @@ def run_serve(args: argparse.Namespace) -> int:
     chat_template = _read_template(args.chat_template)
     if args.enable_admin_api and not args.api_key:
         raise ValueError("--enable-admin-api needs --api-key (or $TANDEM_API_KEY)")
-    if args.enable_admin_api and serve_config.api_server_count > 1:  # a trainer's calls must
-        raise ValueError(  # reach one process: the weight receiver's group lives there
+    if args.enable_admin_api and (serve_config.api_server_count or 1) > 1:  # a trainer's calls
+        raise ValueError(  # must reach one process: the weight receiver's group lives there
             "--enable-admin-api needs --api-server-count 1 (the admin routes and the weight "
             f"receiver live in one API server), got {serve_config.api_server_count}"
         )
+    api_server_count = serve_config.resolved_api_server_count(
+        device_without_cuda_init(config.device).type, args.enable_admin_api)
     if args.host not in _LOOPBACK and not args.api_key:
         print(
             f"warning: listening on {args.host} without --api-key: anyone who can reach this "
@@ -144,7 +153,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         raise ValueError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     served_model_name = args.served_model_name or model or DEFAULT_MODEL_NAME
-    if serve_config.api_server_count > 1:
+    if api_server_count > 1:
         from tandem.serve.api_servers import APIServerArgs, run_api_servers
 
         server_args = APIServerArgs(
@@ -159,7 +168,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_body_bytes=serve_config.max_body_bytes,
             read_timeout=serve_config.request_read_timeout,
         )
-        code = run_api_servers(config, sock, serve_config.api_server_count, server_args)
+        code = run_api_servers(config, sock, api_server_count, server_args)
         print("tandem serve: stopped", flush=True)
         return code
     llm = AsyncLLM.from_config(

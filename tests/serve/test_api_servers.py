@@ -31,7 +31,12 @@ from tandem.engine.core import ABORT, ADD, STOP, UTILITY, EngineCoreOutputs
 from tandem.engine.core_client import EngineCoreProc
 from tandem.engine.core_fanout import CoreClients
 from tandem.outputs import RequestOutput
-from tandem.serve.config import ServeConfig
+from tandem.serve.config import (
+    AUTO_API_SERVERS_MAX,
+    AUTO_CORES_PER_API_SERVER,
+    ServeConfig,
+    auto_api_server_count,
+)
 
 from .helpers import ServeProcess, held_by_engine
 
@@ -150,8 +155,25 @@ def test_core_clients_give_each_call_its_own_id_and_answer_a_refusal_at_once():
 def test_several_api_servers_need_the_engine_in_its_own_process():
     with pytest.raises(ValueError, match="api_server_count 2 needs engine_mode 'process'"):
         ServeConfig(api_server_count=2, engine_mode="thread")
-    with pytest.raises(ValueError, match="api_server_count must be >= 1"):
-        ServeConfig(api_server_count=0)
+    for bad in (0, -1, True, 2.0, "2"):
+        with pytest.raises(ValueError, match="api_server_count must be an int >= 1 or None"):
+            ServeConfig(api_server_count=bad)
+
+
+def test_api_server_count_by_default_from_the_device_and_the_host():
+    auto = auto_api_server_count
+    # several only for a CUDA engine in its own process, without the admin API's one server
+    assert auto("cuda", "process", False, cpu_cores=16) == 2
+    assert auto("cuda", "process", False, cpu_cores=128) == AUTO_API_SERVERS_MAX
+    assert auto("cuda", "process", False, cpu_cores=AUTO_CORES_PER_API_SERVER - 1) == 1
+    assert auto("cpu", "process", False, cpu_cores=128) == 1  # the cores are the engine's
+    assert auto("cuda", "thread", False, cpu_cores=128) == 1
+    assert auto("cuda", "process", True, cpu_cores=128) == 1
+    # what is given wins; None asks the host
+    assert ServeConfig(api_server_count=3).resolved_api_server_count("cpu") == 3
+    assert ServeConfig().resolved_api_server_count("cpu") == 1
+    assert ServeConfig(engine_mode="thread").resolved_api_server_count("cuda") == 1
+    assert ServeConfig().resolved_api_server_count("cuda", enable_admin_api=True) == 1
 
 
 def _alive(pid: int) -> bool:
