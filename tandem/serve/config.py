@@ -38,13 +38,12 @@ class ServeConfig:
             raise ValueError(
                 f"engine_mode must be one of {', '.join(ENGINE_MODES)}, got {self.engine_mode!r}"
             )
-        if self.api_server_count is not None and (
-                isinstance(self.api_server_count, bool) or not isinstance(self.api_server_count, int)
-                or self.api_server_count < 1):
+        count = self.api_server_count
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             raise ValueError(
-                f"api_server_count must be an int >= 1 or None (picked from the host), "
-                f"got {self.api_server_count!r}")
-        if self.api_server_count is not None and self.api_server_count > 1 and self.engine_mode != "process":
+                f"api_server_count must be an int >= 1 or None (picked from the host), got {count!r}"
+            )
+        if (count or 1) > 1 and self.engine_mode != "process":
             raise ValueError(
                 f"api_server_count {self.api_server_count} needs engine_mode 'process' (the API "
                 f"servers share an engine-core process), got {self.engine_mode!r}"
@@ -78,6 +77,7 @@ def auto_api_server_count(device_type: str, engine_mode: str, enable_admin_api: 
     request on an H200 host): on a CPU engine the cores are the engine's."""
     if device_type != "cuda" or engine_mode != "process" or enable_admin_api:
         return 1
-    if cpu_cores is None:
-        cpu_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cpu_cores is None:  # the cores this process may run on (a container's share)
+        affinity = getattr(os, "sched_getaffinity", None)
+        cpu_cores = len(affinity(0)) if affinity else os.cpu_count() or 1
     return max(1, min(AUTO_API_SERVERS_MAX, cpu_cores // AUTO_CORES_PER_API_SERVER))
