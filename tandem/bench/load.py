@@ -66,11 +66,11 @@ REQUESTS_PER_CLIENT_PROCESS = 256  # sent at once; more make one process's loop 
 
 def auto_client_processes(num_requests: int, load: LoadConfig, cpus: int) -> int:
     """Client processes when none are asked for. All at once (an infinite rate), one process's
-    event loop dispatches a burst one request after another: 1,024 took it ~220 ms on an H200
-    host, the requests' own connections and writes convoyed, and the server's start waited on it
-    (docs/serving.md). So one process per REQUESTS_PER_CLIENT_PROCESS requests sent at once (fewer
-    under a concurrency cap), up to a quarter of `cpus` (the server shares the machine); one at a finite rate, where
-    the gaps spread the dispatching (the client's CPU warning says when it is not enough)."""
+    event loop does a burst's requests one after another: 1,024 took it ~220 ms on an H200 host,
+    and the server's start waited on it (docs/serving.md). So one process per
+    REQUESTS_PER_CLIENT_PROCESS requests sent at once (fewer under a concurrency cap), up to a
+    quarter of `cpus` (the server shares the machine); one at a finite rate, where the gaps
+    spread the dispatching (the client's CPU warning says when it is not enough)."""
     if not math.isinf(load.request_rate) or num_requests <= 0:
         return 1
     burst = min(num_requests, load.max_concurrency or num_requests)

@@ -143,3 +143,43 @@ def test_a_stream_that_ends_unfinished_without_done_fails():
     assert not r.finished
     consume_event(r, ev({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}), 2.0, False)
     assert r.finished
+
+
+def test_a_burst_sends_each_request_as_it_is_dispatched():
+    """All at once, request 0 reaches the server while the rest of the burst is still being
+    dispatched, not after every request's set-up. Server and client share one event loop, so
+    the order is the loop's, not the machine's timing."""
+    from aiohttp import web
+
+    n = 64
+    recs = [RequestRecord(i, 2, 1) for i in range(n)]
+    dispatched_when_first_arrived: list[int] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if not dispatched_when_first_arrived:
+            dispatched_when_first_arrived.append(sum(r.t_dispatched > 0 for r in recs))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(ev({"choices": [{"index": 0, "text": " a", "finish_reason": "length"}]})
+                         + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = site._server.sockets[0].getsockname()[1]
+            target = TargetConfig(base_url=f"http://127.0.0.1:{port}")
+            bodies = [build_payload(RequestSpec(f"p {i}", 2, 1), target, "m") for i in range(n)]
+            return await run_requests(target, bodies, recs, [0.0] * n)
+        finally:
+            await runner.cleanup()
+
+    sent, _ = asyncio.run(main())
+    assert all(r.ok for r in sent), [r.error for r in sent]
+    assert dispatched_when_first_arrived[0] < n // 2, dispatched_when_first_arrived
