@@ -173,7 +173,7 @@ def test_a_burst_sends_each_request_as_it_is_dispatched():
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         try:
-            port = site._server.sockets[0].getsockname()[1]
+            port = runner.addresses[0][1]
             target = TargetConfig(base_url=f"http://127.0.0.1:{port}")
             bodies = [build_payload(RequestSpec(f"p {i}", 2, 1), target, "m") for i in range(n)]
             return await run_requests(target, bodies, recs, [0.0] * n)
