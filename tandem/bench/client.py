@@ -241,7 +241,7 @@ async def run_requests(
             tasks.append(asyncio.create_task(one(body, rec)))
             # let it start now: without this yield a burst's requests all ran aiohttp's set-up
             # before any of them connected and sent (the first of one process's 256 reached the
-            # engine 77-81 ms in on one H200 host, 5-10 ms with it; docs/serving.md)
+            # engine 77-81 ms in on one H200 host, 5.7 ms there with it; docs/serving.md)
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
     return sorted(sent, key=lambda r: r.index), t0
