@@ -169,19 +169,21 @@ def _fail(kind: str, e: BaseException, print_json: bool = False) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.bench.client_overhead import STUB_MODEL, instant_stub
-    from tandem.bench.serve import print_report, run_benchmark
+    from tandem.bench.serve import print_report
+    from tandem.bench.serve_runs import print_runs, run_series
 
     try:
         cfg = _serve_config(args)
         if args.self_test:
             with instant_stub() as url:
                 target = replace(cfg.target, base_url=url, model=STUB_MODEL)
-                report = run_benchmark(replace(cfg, target=target))
+                report = run_series(replace(cfg, target=target))
         else:
-            report = run_benchmark(cfg)
+            report = run_series(cfg)
     except (ValueError, RuntimeError, OSError) as e:
         return _fail("serve", e, args.print_json)
     print_report(report)
+    print_runs(report)
     rp.finish(report, args.output, args.print_json)
     return 1 if report["results"]["completed"] == 0 else 0
 
@@ -236,6 +238,10 @@ def add_bench_subcommands(subparsers) -> None:
     _dataset_args(p)
     _load_args(p)
     _run_args(p)
+    p.add_argument(
+        "--num-runs", type=int, default=S.num_runs,
+        help="run the load this many times, each with its own prompts (--seed, --seed + 1, ...); "
+        "the report: the median run in full and every run's headline figures")
     p.add_argument(
         "--self-test",
         action="store_true",

@@ -70,6 +70,7 @@ class ServeConfig:
     ceiling_output_tok_s: float | None = None  # roofline figure, to print the fraction of it
     output_dir: str | None = None  # requests.csv and timeline.png (in flight vs GPU util)
     label: str = ""
+    num_runs: int = 1  # the measured load this many times, each with its own prompts (serve_runs)
 
     def __post_init__(self) -> None:
         parse_slo(self.slo)  # raises with the reason
@@ -84,6 +85,8 @@ class ServeConfig:
             raise ValueError(f"gpu_interval_s must be > 0, got {self.gpu_interval_s}")
         if not self.queue_interval_s > 0:
             raise ValueError(f"queue_interval_s must be > 0, got {self.queue_interval_s}")
+        if isinstance(self.num_runs, bool) or not isinstance(self.num_runs, int) or self.num_runs < 1:
+            raise ValueError(f"num_runs must be an int >= 1, got {self.num_runs!r}")
 
     def client_processes(self) -> int:
         """The client processes this run uses: as given, else one per burst share (load.py)."""
