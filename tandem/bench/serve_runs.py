@@ -6,7 +6,8 @@ a median over runs. As aiperf's `--num-profile-runs`, the warm-up goes before th
 unlike it, every run draws its own prompts (seed, seed + 1, ...): the same prompts again would
 hit the server's prefix cache (vLLM's and tandem's are on by default) and measure another
 workload. The report is the run of median output throughput in full, with every run's headline
-figures and their median, range and coefficient of variation under `results["runs"]`.
+figures and their median, range and coefficient of variation under `results["runs"]`. A run that
+fails after the first ends the series: the runs done are reported, the error with them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def run_series(cfg: ServeConfig, show_progress: bool = True) -> dict:
     """`cfg.num_runs` measured loads, one after another; one run is `run_benchmark`'s report."""
     if cfg.num_runs == 1:
         return run_benchmark(cfg, show_progress)
-    reports = []
+    reports, error = [], None
     for i in range(cfg.num_runs):
         seed = cfg.dataset.seed + i
         run = replace(
@@ -52,11 +53,18 @@ def run_series(cfg: ServeConfig, show_progress: bool = True) -> dict:
             label=f"{cfg.label or 'bench serve'}: run {i + 1} of {cfg.num_runs}",
             num_runs=1,
         )
-        reports.append(run_benchmark(run, show_progress))
+        try:
+            reports.append(run_benchmark(run, show_progress))
+        except (RuntimeError, OSError) as e:  # the server gone mid-series: keep the runs done
+            if not reports:
+                raise
+            error = f"run {i + 1} of {cfg.num_runs}: {type(e).__name__}: {e}"
+            break
     by_throughput = sorted(range(len(reports)),
                            key=lambda i: reports[i]["results"]["output_throughput"])
     median_run = by_throughput[(len(reports) - 1) // 2]  # the lower one of an even count
     runs = summarize_runs(reports, median_run)
+    runs["error"] = error  # why the series stopped short, or None
     report = reports[median_run]
     report["config"] = rp.make_report("serve", cfg, {})["config"]  # the series', not the run's
     report["results"]["runs"] = runs
@@ -104,3 +112,7 @@ def print_runs(report: dict) -> None:
     rp.print_rows(
         f"{runs['num_runs']} runs (the tables above: run {runs['reported_run']}, {which} by "
         "output tok/s)", ["run", *(title for _, title in cols), "failed"], rows)
+    if runs.get("error"):
+        from rich.markup import escape
+
+        rp.console().print(f"[red]the series stopped at {escape(runs['error'])}[/red]")

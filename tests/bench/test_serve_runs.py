@@ -69,3 +69,34 @@ def test_cli_prints_the_runs_table_and_keeps_them_in_the_json_line(stub, capsys)
     assert "2 runs (the tables above: run" in "\n".join(lines[:-1])
     runs = json.loads(lines[-1])["results"]["runs"]
     assert [r["seed"] for r in runs["per_run"]] == [3, 4]
+
+
+def failing_at(monkeypatch, run_number):
+    """run_series' runs fail from `run_number` on (the server gone)."""
+    from tandem.bench import serve_runs
+
+    real, calls = serve_runs.run_benchmark, []
+
+    def run(cfg, show_progress=True):
+        calls.append(cfg.dataset.seed)
+        if len(calls) >= run_number:
+            raise RuntimeError("warm-up request to the server failed")
+        return real(cfg, show_progress)
+
+    monkeypatch.setattr(serve_runs, "run_benchmark", run)
+
+
+def test_a_series_cut_short_keeps_the_runs_done(stub, monkeypatch):
+    failing_at(monkeypatch, 3)
+    with stub(tpot_ms=1) as server:
+        report = run_series(quick_config(server.base_url, num_prompts=4, output_len=2,
+                                         num_runs=4), show_progress=False)
+    runs = report["results"]["runs"]
+    assert runs["num_runs"] == 2 and [r["seed"] for r in runs["per_run"]] == [0, 1]
+    assert runs["error"].startswith("run 3 of 4: RuntimeError: warm-up")
+
+
+def test_a_series_whose_first_run_fails_raises(stub, monkeypatch):
+    failing_at(monkeypatch, 1)
+    with stub(tpot_ms=1) as server, pytest.raises(RuntimeError, match="warm-up"):
+        run_series(quick_config(server.base_url, num_prompts=4, num_runs=3), show_progress=False)
