@@ -24,16 +24,20 @@ BULKY_KEYS = ("requests", "samples")
 SECRET = "<redacted>"  # kept in --output files, left out of the closing line
 
 
-def make_report(kind: str, config, results: dict, gpu: dict | None = None) -> dict:
-    """The report every bench command returns; `config` may be a dataclass."""
+def report_config(config) -> dict:
+    """`config` (a dict or a dataclass) as a report holds it: a dict, API keys redacted."""
     if dataclasses.is_dataclass(config):
         config = dataclasses.asdict(config)
-    config = _redact(config)
+    return _redact(config)
+
+
+def make_report(kind: str, config, results: dict, gpu: dict | None = None) -> dict:
+    """The report every bench command returns; `config` may be a dataclass."""
     gpu = gpu if gpu is not None else {"available": False, "reason": "not monitored"}
     return {
         "schema": SCHEMA,
         "kind": kind,
-        "config": config,
+        "config": report_config(config),
         "results": results,
         "gpu": gpu,
         "env": env_info(),

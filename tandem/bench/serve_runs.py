@@ -43,10 +43,9 @@ def run_series(cfg: ServeConfig, show_progress: bool = True) -> dict:
         return run_benchmark(cfg, show_progress)
     reports, error = [], None
     for i in range(cfg.num_runs):
-        seed = cfg.dataset.seed + i
         run = replace(
             cfg,
-            dataset=replace(cfg.dataset, seed=seed),
+            dataset=replace(cfg.dataset, seed=cfg.dataset.seed + i),
             load=replace(cfg.load, seed=cfg.load.seed + i),
             num_warmups=cfg.num_warmups if i == 0 else 0,
             output_dir=cfg.output_dir and os.path.join(cfg.output_dir, f"run_{i + 1:02d}"),
@@ -66,7 +65,7 @@ def run_series(cfg: ServeConfig, show_progress: bool = True) -> dict:
     runs = summarize_runs(reports, median_run)
     runs["error"] = error  # why the series stopped short, or None
     report = reports[median_run]
-    report["config"] = rp.make_report("serve", cfg, {})["config"]  # the series', not the run's
+    report["config"] = rp.report_config(cfg)  # the series', not the run's
     report["results"]["runs"] = runs
     return report
 
