@@ -26,11 +26,13 @@ import torch.nn.functional as F
 from tandem.bench.kernels import LAUNCH_ERRORS, time_in_graph
 from tandem.kernels.decode_gemm import GemmConfig, default_config, linear
 
-TILES = [  # (block_m, block_n, block_k, num_warps)
+TILES = [  # (block_m, block_n, block_k, num_warps); the 16-row tiles for M <= 32 only
+    (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 64, 256, 8), (16, 128, 64, 4),
     (64, 32, 128, 4), (64, 64, 64, 4), (64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4),
     (64, 256, 64, 8), (128, 64, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8), (128, 256, 64, 8),
 ]
-QUICK_TILES = [(64, 64, 128, 4), (64, 128, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8)]
+QUICK_TILES = [(16, 32, 256, 4), (16, 64, 128, 4), (64, 64, 128, 4), (64, 128, 64, 4),
+               (128, 128, 64, 4), (128, 128, 64, 8)]
 SPLITS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
 
 
@@ -138,7 +140,7 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp) -> list[dict]:
                                error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
         configs = [default_config(M, N, K, x.device)]
         for tile in (QUICK_TILES if args.quick else TILES):
-            if tile[0] > max(64, M):
+            if tile[0] > max(64, M) or (tile[0] < 64 and M > 32):
                 continue
             configs += [GemmConfig(*tile[:3], s, tile[3], stages)
                         for s in split_candidates(M, N, K, tile, sms) for stages in args.stages]

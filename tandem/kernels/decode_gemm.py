@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from tandem.kernels import pdl
 from tandem.kernels.decode_gemm_ref import linear_ref  # noqa: F401 (the reference)
 
 MAX_TILES = 1 << 16  # counters per device: output tiles a split-K launch may have
@@ -59,7 +61,10 @@ def _gemm_kernel(
     PARTIAL: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
+        gdc_wait()
     tile = tl.program_id(0)
     split = tl.program_id(1)
     grid_m = tl.cdiv(M, BLOCK_M)
@@ -161,6 +166,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         counters = _counters(x.device)
     else:
         ws = counters = out  # unused
+    launch_pdl = pdl.enabled(x2)
     _gemm_kernel[(tiles, split_k)](
         x2, weight, bias if bias is not None else weight, out, ws, counters,
         M, N, K, k_per_split, split_k,
@@ -172,7 +178,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         PARTIAL=split_k > 1,
         EVEN_K=K % cfg.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=launch_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        launch_pdl=launch_pdl,
     )
     return out.view(*x.shape[:-1], N)
