@@ -85,10 +85,11 @@ class EngineConfig:
     # its sequence alone, so a trainer scoring the rollout with the same kernels gets the engine's
     # logprobs exactly. Slower; for RL parity, not serving. Process-wide once an engine turns it on.
     batch_invariant: bool = False
-    # GEMMs of few rows (decode): "cublas" (F.linear), or the Triton decode GEMM where a measured
-    # table says it wins: "triton" (the table for this GPU in tandem/kernels/configs) or the path
-    # of a table `python -m tandem.bench.gemm --table-out` wrote. Other shapes and M stay cuBLAS.
-    decode_gemm: str = "cublas"
+    # GEMMs of few rows (decode): the Triton decode GEMM where a table measured on this GPU says it
+    # beats cuBLAS, cuBLAS (F.linear) for every other shape and M. "auto": this GPU's table in
+    # tandem/kernels/configs where there is one, else cuBLAS alone; "triton": that table, which
+    # must exist; a path: a table `python -m tandem.bench.gemm --table-out` wrote; "cublas": never.
+    decode_gemm: str = "auto"
     # How structured outputs are enforced (vLLM's structured_outputs_config.backend): "auto" runs a
     # regex, choice or closed JSON schema as a token automaton stepping on the device (its rows
     # decode in windows at the cost of a free row) where it compiles to a small enough table, and
@@ -126,10 +127,11 @@ class EngineConfig:
         check_choice("sleep_mode_backend", self.sleep_mode_backend, ("auto", "cumem", "recapture"))
         check_choice("structured_outputs_backend", self.structured_outputs_backend,
                      ("auto", "guidance", "fsm"))
-        if not (isinstance(self.decode_gemm, str) and (self.decode_gemm in ("cublas", "triton") or (
+        if not (isinstance(self.decode_gemm, str) and (
+                self.decode_gemm in ("auto", "cublas", "triton") or (
                 self.decode_gemm.endswith(".json") and os.path.isfile(self.decode_gemm)))):
             raise ValueError(
-                f"decode_gemm must be 'cublas', 'triton' or an existing .json table (from "
+                f"decode_gemm must be 'auto', 'cublas', 'triton' or an existing .json table (from "
                 f"`python -m tandem.bench.gemm --table-out`), got {self.decode_gemm!r}")
         if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
             raise ValueError(

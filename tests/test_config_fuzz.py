@@ -76,7 +76,7 @@ ENGINE = {
     "trust_remote_code": _bool(),
     "attention_backend": _choice("auto", "torch", "triton"),
     "structured_outputs_backend": _choice("auto", "guidance", "fsm"),
-    "decode_gemm": lambda v: _choice("cublas", "triton")(v) or (  # or an existing .json table
+    "decode_gemm": lambda v: _choice("auto", "cublas", "triton")(v) or (  # or an existing .json table
         isinstance(v, str) and v.endswith(".json") and os.path.isfile(v)),
     "async_scheduling": _bool(optional=True),
     "stream_interval": _int(1, _COUNT),

@@ -61,7 +61,7 @@ class ThroughputConfig:
     async_scheduling: bool | None = None  # None: the engine's default (on for CUDA)
     num_scheduler_steps: int | None = None  # None: the engine's default (EngineConfig)
     tensor_parallel_size: int = 1
-    decode_gemm: str = "cublas"  # EngineConfig.decode_gemm
+    decode_gemm: str = "auto"  # EngineConfig.decode_gemm
     # EngineConfig.host_only: no forward or sampling, a fixed token a row: the engine's host work
     # a token, its ceiling whatever the model (no roofline: the device does not work)
     host_only: bool = False
@@ -503,7 +503,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="GPUs to shard tandem's model over")
     p.add_argument("--decode-gemm", default=d.decode_gemm,
-                   help="cublas | triton | a table .json (python -m tandem.bench.gemm --table-out)")
+                   help="auto | cublas | triton | a table .json (python -m tandem.bench.gemm --table-out): "
+                   "EngineConfig.decode_gemm")
     p.add_argument("--host-only", action="store_true",
                    help="no forward or sampling, a fixed token a row: the engine's host work a token "
                    "(the ceiling the host sets, whatever the model)")

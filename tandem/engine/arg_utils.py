@@ -50,8 +50,9 @@ _HELP = {
     "and reads back once per window; 1: every step; None: 4 on CUDA, else 1)",
     "decode_window_min_seqs": "decode windows run only while at least this many sequences decode "
     "(None: 1 offline; max_num_seqs in `tandem serve`: windows only with the batch full)",
-    "decode_gemm": "cublas | triton (the Triton GEMM where this GPU's table says it wins) | a table "
-    "(.json) from `python -m tandem.bench.gemm --table-out`",
+    "decode_gemm": "auto (the Triton GEMM where this GPU's measured table says it beats cuBLAS; "
+    "cuBLAS alone on a GPU with no table) | cublas | triton (as auto; the table must exist) | a "
+    "table (.json) from `python -m tandem.bench.gemm --table-out`",
     "structured_outputs_backend": "auto (regexes, choices, closed JSON schemas as token automata on the "
     "device; the rest through llguidance) | guidance (llguidance only) | fsm (token automata only)",
     "host_only": "benchmarks only: no forward or sampling, a fixed token a row; the rest of the "

@@ -69,12 +69,13 @@ class Worker:
 
     def _apply_decode_gemm(self) -> int:
         """Layers that run the Triton decode GEMM for some M (`EngineConfig.decode_gemm`)."""
-        if self.config.decode_gemm == "cublas":
+        spec = self.config.decode_gemm
+        if spec == "cublas" or (spec == "auto" and self.device.type != "cuda"):
             return 0
-        check_triton_device(f"decode_gemm={self.config.decode_gemm!r}", self.device.type)
+        check_triton_device(f"decode_gemm={spec!r}", self.device.type)
         from tandem.layers.decode_gemm import apply_decode_gemm, load_table
 
-        return apply_decode_gemm(self.model, load_table(self.config.decode_gemm, self.device))
+        return apply_decode_gemm(self.model, load_table(spec, self.device))
 
     def _use_cumem(self) -> bool:
         cfg = self.config

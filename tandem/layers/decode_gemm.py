@@ -39,13 +39,16 @@ def parse_table(table: dict) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
     return out
 
 
-def table_path(spec: str, device: torch.device) -> str:
-    """`spec` is a JSON file, or "triton": the file for this GPU under tandem/kernels/configs."""
+def table_path(spec: str, device: torch.device) -> str | None:
+    """`spec` is a JSON file, or "triton"/"auto": the file for this GPU under tandem/kernels/configs
+    (a GPU without one: an error for "triton", None for "auto")."""
     if spec.endswith(".json"):
         return spec
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     path = os.path.join(CONFIG_DIR, f"decode_gemm_{name.replace(' ', '_')}.json")
     if not os.path.isfile(path):
+        if spec == "auto":
+            return None
         raise ValueError(
             f"decode_gemm='triton': no table for this device ({name!r}) at {os.path.normpath(path)}; "
             "measure one with `python -m tandem.bench.gemm --table-out FILE` and pass "
@@ -54,7 +57,11 @@ def table_path(spec: str, device: torch.device) -> str:
 
 
 def load_table(spec: str, device: torch.device) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
-    with open(table_path(spec, device)) as f:
+    """The table `spec` names ({} for "auto" on a GPU without one: cuBLAS everywhere)."""
+    path = table_path(spec, device)
+    if path is None:
+        return {}
+    with open(path) as f:
         return parse_table(json.load(f))
 
 

@@ -130,8 +130,8 @@ def _compiled_triton_variants() -> dict[str, int]:
     import triton
 
     counts = {}
-    for name in ("activation", "decode_attention", "kv_cache", "prefill_attention", "rmsnorm", "rotary",
-                 "sampling"):
+    for name in ("activation", "decode_attention", "decode_gemm", "kv_cache", "prefill_attention",
+                 "rmsnorm", "rotary", "sampling"):
         module = importlib.import_module(f"tandem.kernels.{name}")
         for attr, fn in vars(module).items():
             if isinstance(fn, triton.runtime.JITFunction):
@@ -139,12 +139,33 @@ def _compiled_triton_variants() -> dict[str, int]:
     return counts
 
 
+def _decode_gemm_table(model, path) -> str:
+    """A decode GEMM table sending every linear layer of `model` through the Triton kernel up to
+    64 rows, as the shipped tables do for the presets' shapes (two configs, one with split-K)."""
+    import json
+
+    c = model.config
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    h, i = c.hidden_size, c.intermediate_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # q/k/v, o, gate/up, down
+    small = {"block_m": 16, "block_n": 32, "block_k": 64, "split_k": 2, "num_warps": 4, "num_stages": 3}
+    wide = {"block_m": 64, "block_n": 64, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3}
+    path.write_text(json.dumps({"device": "test", "dtype": "bfloat16", "shapes": {
+        f"{n},{k}": [{"max_m": 4, "backend": "triton", "config": small},
+                     {"max_m": 64, "backend": "triton", "config": wide}] for n, k in shapes}}))
+    return str(path)
+
+
 @pytest.mark.gpu
-def test_no_kernel_compiles_after_start_up():
+def test_no_kernel_compiles_after_start_up(tmp_path):
     """Once the engine is built, batches of every shape run compiled kernels: nothing compiles
-    between tokens (a compile stalls every request in flight for about a second)."""
+    between tokens (a compile stalls every request in flight for about a second). The decode
+    GEMM runs every linear layer up to 64 rows here, as `decode_gemm="auto"` does on an H200."""
     model = make_tiny_model("qwen2", max_position_embeddings=1024).to(device="cuda", dtype=torch.bfloat16)
-    llm = LLM(model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=64)
+    table = _decode_gemm_table(model, tmp_path / "table.json")
+    llm = LLM(model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=64, decode_gemm=table)
+    assert llm.llm_engine.worker.decode_gemm_layers > 0
     assert llm.llm_engine.worker.kernel_warmup_s is not None
     before = _compiled_triton_variants()
     assert sum(before.values()) > 0

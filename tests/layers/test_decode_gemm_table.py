@@ -55,7 +55,7 @@ def test_layers_get_their_shapes_choices_and_run_triton_only_there(monkeypatch):
 
 
 def test_config_refuses_an_unknown_choice(tmp_path):
-    with pytest.raises(ValueError, match="decode_gemm must be 'cublas', 'triton' or an existing"):
+    with pytest.raises(ValueError, match="decode_gemm must be 'auto', 'cublas', 'triton' or an existing"):
         config.EngineConfig(decode_gemm="cutlass")
     with pytest.raises(ValueError, match="decode_gemm"):
         config.EngineConfig(decode_gemm=str(tmp_path / "missing.json"))
@@ -84,3 +84,43 @@ def test_engine_greedy_tokens_unchanged_with_the_triton_gemm(tmp_path, monkeypat
     assert not calls
     assert tokens(str(path)) == want
     assert calls  # decode steps (3 rows) ran the kernel
+
+
+def test_auto_is_the_default_and_means_cublas_where_no_table_was_measured(tmp_path, monkeypatch):
+    """"auto" loads this device's table when tandem ships one and is cuBLAS alone otherwise, where
+    "triton" refuses; the CPU engine never runs the kernel under "auto"."""
+    from tandem.layers import decode_gemm as layer
+
+    assert config.EngineConfig().decode_gemm == "auto"
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(layer, "CONFIG_DIR", str(tmp_path))
+    assert layer.table_path("auto", cpu) is None and layer.load_table("auto", cpu) == {}
+    with pytest.raises(ValueError, match="decode_gemm='triton': no table for this device"):
+        layer.load_table("triton", cpu)
+    (tmp_path / "decode_gemm_cpu.json").write_text(json.dumps(table([(48, 32)])))
+    assert layer.load_table("auto", cpu) == layer.load_table("triton", cpu) == parse_table(table([(48, 32)]))
+    if DEVICE == "cpu":
+        llm = LLM(make_tiny_model("qwen2"), device="cpu", max_num_seqs=2, dtype="float32")
+        assert llm.llm_engine.worker.decode_gemm_layers == 0
+
+
+def test_the_shipped_tables_cover_the_presets_decode_shapes():
+    """The H200 table: every decode GEMM of the presets it was measured on, buckets from 1 row up
+    to 64 (past the last, cuBLAS), each Triton entry faster than cuBLAS there by the margin."""
+    import os
+
+    from tandem.bench.gemm import decode_shapes
+    from tandem.layers.decode_gemm import CONFIG_DIR
+
+    with open(os.path.join(CONFIG_DIR, "decode_gemm_NVIDIA_H200.json")) as f:
+        raw = json.load(f)
+    assert raw["device"] == "NVIDIA H200" and raw["dtype"] == "bfloat16"
+    parsed = parse_table(raw)
+    for model in ("qwen2.5-1.5b", "qwen2.5-7b", "smollm2-135m"):
+        for shape in decode_shapes(model):
+            choices = parsed[(shape["N"], shape["K"])]
+            assert [c.max_m for c in choices] == [1, 4, 16, 32, 64], (model, shape["op"])
+    for entries in raw["shapes"].values():
+        for e in entries:
+            if e["backend"] == "triton":
+                assert e["cublas_us"] >= 1.03 * e["triton_us"], e
