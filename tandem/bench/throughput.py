@@ -503,8 +503,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
                    help="GPUs to shard tandem's model over")
     p.add_argument("--decode-gemm", default=d.decode_gemm,
-                   help="auto | cublas | triton | a table .json (python -m tandem.bench.gemm --table-out): "
-                   "EngineConfig.decode_gemm")
+                   help="auto | cublas | triton | a table .json (python -m tandem.bench.gemm "
+                   "--table-out): EngineConfig.decode_gemm")
     p.add_argument("--host-only", action="store_true",
                    help="no forward or sampling, a fixed token a row: the engine's host work a token "
                    "(the ceiling the host sets, whatever the model)")

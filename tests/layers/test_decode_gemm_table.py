@@ -55,7 +55,8 @@ def test_layers_get_their_shapes_choices_and_run_triton_only_there(monkeypatch):
 
 
 def test_config_refuses_an_unknown_choice(tmp_path):
-    with pytest.raises(ValueError, match="decode_gemm must be 'auto', 'cublas', 'triton' or an existing"):
+    with pytest.raises(ValueError,
+                       match="decode_gemm must be 'auto', 'cublas', 'triton' or an existing"):
         config.EngineConfig(decode_gemm="cutlass")
     with pytest.raises(ValueError, match="decode_gemm"):
         config.EngineConfig(decode_gemm=str(tmp_path / "missing.json"))
@@ -98,7 +99,8 @@ def test_auto_is_the_default_and_means_cublas_where_no_table_was_measured(tmp_pa
     with pytest.raises(ValueError, match="decode_gemm='triton': no table for this device"):
         layer.load_table("triton", cpu)
     (tmp_path / "decode_gemm_cpu.json").write_text(json.dumps(table([(48, 32)])))
-    assert layer.load_table("auto", cpu) == layer.load_table("triton", cpu) == parse_table(table([(48, 32)]))
+    want = parse_table(table([(48, 32)]))
+    assert layer.load_table("auto", cpu) == layer.load_table("triton", cpu) == want
     if DEVICE == "cpu":
         llm = LLM(make_tiny_model("qwen2"), device="cpu", max_num_seqs=2, dtype="float32")
         assert llm.llm_engine.worker.decode_gemm_layers == 0
