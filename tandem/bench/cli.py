@@ -227,6 +227,10 @@ def cmd_client_overhead(args: argparse.Namespace) -> int:
     return 0 if report["results"]["failed"] == 0 else 1
 
 
+def _num_runs_arg(p, help: str) -> None:
+    p.add_argument("--num-runs", type=int, default=S.num_runs, help=help)
+
+
 def add_bench_subcommands(subparsers) -> None:
     """Add serve, sweep, interconnect and client-overhead to a `bench` subparsers object."""
     p = subparsers.add_parser(
@@ -238,10 +242,8 @@ def add_bench_subcommands(subparsers) -> None:
     _dataset_args(p)
     _load_args(p)
     _run_args(p)
-    p.add_argument(
-        "--num-runs", type=int, default=S.num_runs,
-        help="run the load this many times, each with its own prompts (--seed, --seed + 1, ...); "
-        "the report: the median run in full and every run's headline figures")
+    _num_runs_arg(p, "run the load this many times, each with its own prompts (--seed, --seed + 1, "
+                  "...); the report: the median run in full and every run's headline figures")
     p.add_argument(
         "--self-test",
         action="store_true",
@@ -266,6 +268,8 @@ def add_bench_subcommands(subparsers) -> None:
                    help="rate mode: points in all (synchronous + throughput + the rates between)")
     g.add_argument("--sweep-rate-type", choices=RATE_TYPES, default=W.sweep_rate_type,
                    help="rate mode: arrival process of the points between")
+    _num_runs_arg(g, "run each point's load this many times, each with its own prompts; a point "
+                  "is its median run, with every run's figures and their spread")
     g.add_argument("--sync-prompts", type=int, default=W.sync_prompts,
                    help="rate mode: requests of the synchronous (one-at-a-time) run")
     g.add_argument("--concurrencies", default=W.concurrencies, help="concurrency mode: comma list")

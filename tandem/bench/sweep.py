@@ -5,6 +5,8 @@ at once) measure the lowest and highest request rates, then `sweep_size - 2` rat
 between (the last one the throughput rate). Concurrency mode runs a list of fixed concurrencies.
 With `launch`, the server is started for every (max_num_seqs, max_num_batched_tokens) grid
 point. The sweet spot is the highest output throughput whose p99 TTFT and p99 TPOT meet the SLO.
+With `serve.num_runs` > 1 (`--num-runs`) each point is the median of that many runs of its load,
+each with prompts of its own (`serve_runs.run_series`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import numpy as np
 from tandem.bench import report as rp
 from tandem.bench.load import LoadConfig
 from tandem.bench.metrics import parse_slo
-from tandem.bench.serve import ServeConfig, run_benchmark
+from tandem.bench.serve import ServeConfig
+from tandem.bench.serve_runs import run_series
 
 MODES = ("rate", "concurrency")
 MAX_FAILED_FRAC = 0.01  # a point that drops more requests than this cannot be the sweet spot
@@ -120,22 +123,26 @@ def run_sweep(cfg: SweepConfig, show_progress: bool = True) -> dict:
 
 
 def _series(cfg: SweepConfig, base: ServeConfig, show_progress: bool) -> Iterator[dict]:
-    """The loads of one sweep, each yielded as a point as soon as it is measured."""
+    """The loads of one sweep, each yielded as a point as soon as it is measured. With
+    `base.num_runs` > 1 a point is the median of that many runs (`run_series`)."""
     n = base.dataset.num_prompts
 
     def run(label: str, strategy: str, load: LoadConfig, prompts: int, i: int) -> dict:
+        # point i's runs draw seeds seed + i * num_runs, ...: no prompt repeats across points or
+        # runs, so no prefix-cache hit carries over
+        seed = base.dataset.seed + i * base.num_runs
         point_cfg = replace(
             base,
             load=load,
             label=label,
             output_dir=None,
             num_warmups=base.num_warmups if i == 0 else 0,
-            dataset=replace(base.dataset, num_prompts=prompts, seed=base.dataset.seed + i),
+            dataset=replace(base.dataset, num_prompts=prompts, seed=seed),
             # a load of concurrency c needs no more than c client processes
             num_client_processes=None if base.num_client_processes is None else min(
                 base.num_client_processes, load.max_concurrency or base.num_client_processes),
-        )  # no cross-point cache hits
-        report = run_benchmark(point_cfg, show_progress)
+        )
+        report = run_series(point_cfg, show_progress)
         return _point(label, strategy, load, report)
 
     load0 = replace(base.load, request_rate=math.inf, max_concurrency=None)
@@ -199,6 +206,7 @@ def _point(label: str, strategy: str, load: LoadConfig, report: dict) -> dict:
         "client_warning": r["client"]["warning"],
         "errors": r["errors"],
         "gpu": rp.compact(gpu),  # this load's GPU summary (samples left out)
+        "runs": r.get("runs"),  # with num_runs > 1: every run's figures and their spread
     }
 
 

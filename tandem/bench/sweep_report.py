@@ -39,6 +39,15 @@ def _row(i: int, p: dict, spot: int | None) -> list[object]:
     ]
 
 
+def _spread(p: dict) -> list[object]:
+    """A point's run count and its output throughput's coefficient of variation, in %."""
+    runs = p.get("runs")
+    if not runs:
+        return [1, None]
+    cv = runs["stats"].get("output_throughput", {}).get("cv")
+    return [runs["num_runs"], None if cv is None else 100 * cv]
+
+
 COLUMNS = [
     "load",
     "req/s",
@@ -59,7 +68,11 @@ def print_sweep(report: dict) -> None:
     spot = res["sweet_spot"]
     idx = spot["index"] if spot else None
     rows = [_row(i, p, idx) for i, p in enumerate(res["points"])]
-    rp.print_rows("bench sweep (latencies in ms; * = sweet spot)", COLUMNS, rows)
+    columns = COLUMNS
+    if any(p.get("runs") for p in res["points"]):  # --num-runs: each point a median run
+        columns = [*COLUMNS, "runs", "tok/s cv %"]
+        rows = [[*row, *_spread(p)] for row, p in zip(rows, res["points"])]
+    rp.print_rows("bench sweep (latencies in ms; * = sweet spot)", columns, rows)
     from rich.markup import escape
 
     out = rp.console()

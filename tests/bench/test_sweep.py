@@ -155,3 +155,28 @@ def test_sweet_spot_and_pareto_by_hand():
     assert [p["meets_slo"] for p in pts] == [True, True, False, False, False]  # last: failures
     assert sweet_spot(pts)["index"] == 1
     assert pareto_front(pts) == [0, 4, 2]  # 1 is dominated by 4, 3 by 2
+
+
+def test_num_runs_makes_each_point_a_median_of_runs_with_prompts_of_its_own(stub, tmp_path, capsys):
+    """`bench sweep --num-runs 2`: every point runs its load twice, no prompt repeats across
+    points or runs (a repeat would be a prefix-cache hit), the point's figures are its median
+    run's, and the table gains the runs' spread."""
+    with stub(tpot_ms=1, capacity=4) as server:
+        code = main(["sweep", "--base-url", server.base_url, "--mode", "concurrency",
+                     "--concurrencies", "1,2,4", "--num-prompts", "4", "--input-len", "8",
+                     "--output-len", "3", "--num-runs", "2", "--seed", "3", "--num-warmups", "1",
+                     "--output", str(tmp_path / "out.json"), "--json"])
+        prompts = [p["prompt"] for p in server.payloads]
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "tok/s cv %" in out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["config"]["serve"]["num_runs"] == 2
+    pts = report["results"]["points"]
+    assert [p["runs"]["num_runs"] for p in pts] == [2, 2, 2]
+    assert [[r["seed"] for r in p["runs"]["per_run"]] for p in pts] == [[3, 4], [5, 6], [7, 8]]
+    assert len(prompts) == 1 + 3 * 2 * 4 and prompts[0].startswith("Warm-up. ")  # one warm-up
+    assert len(set(prompts[1:])) == 3 * 2 * 4
+    for p in pts:
+        per_run = [r["output_throughput"] for r in p["runs"]["per_run"]]
+        assert p["output_throughput"] == min(per_run)  # of two, the lower middle one
