@@ -1,6 +1,6 @@
 """Decode GEMM study on one GPU: cuBLAS, cuBLASLt, TunableOp and the Triton decode GEMM.
 
-    python -m tandem.bench.gemm [--models qwen2.5-1.5b qwen2.5-7b --rows 64 128 256
+    python -m tandem.bench.gemm [--models qwen2.5-1.5b qwen2.5-7b /path/to/model --rows 64 128 256
         --table-out decode_gemm_table.json --quick]
 
 Every linear layer of a decode step (q/k/v with its bias, o, gate/up, down; shapes from
@@ -37,19 +37,27 @@ SPLITS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
 
 
 def decode_shapes(model: str) -> list[dict]:
-    """The four GEMMs of one layer: name, N, K, bias, and how many layers run it."""
-    from tandem.models.presets import preset_config
+    """The four GEMMs of one layer of `model` (a preset name, a model directory, a .gguf file or
+    a cached hub id, as `LLM` takes them): name, N, K, bias, and how many layers run it. The
+    shapes and biases are those `tandem.models.decoder` builds."""
+    from tandem.models.decoder import head_dim_of
+    from tandem.models.loader import resolve_model
+    from tandem.models.registry import get_decoder_spec
 
-    c = preset_config(model)
-    hd = c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    c = resolve_model(model, load_format="dummy").hf_config
+    spec = get_decoder_spec(c)
+    hd = head_dim_of(c)
+    heads = c.num_attention_heads
+    q, kv = heads * hd, (getattr(c, "num_key_value_heads", None) or heads) * hd
     h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    bias = c.model_type == "qwen2"  # Qwen2's q/k/v have biases
+    qkv_bias = getattr(c, "attention_bias", spec.qkv_bias)  # as DecoderAttention reads them
+    o_bias = getattr(c, "attention_bias", False) and spec.o_bias_follows_qkv
+    mlp_bias = getattr(c, "mlp_bias", False)
     return [
-        {"model": model, "op": "qkv", "N": q + 2 * kv, "K": h, "bias": bias, "layers": L},
-        {"model": model, "op": "o", "N": h, "K": q, "bias": False, "layers": L},
-        {"model": model, "op": "gate_up", "N": 2 * i, "K": h, "bias": False, "layers": L},
-        {"model": model, "op": "down", "N": h, "K": i, "bias": False, "layers": L},
+        {"model": model, "op": "qkv", "N": q + 2 * kv, "K": h, "bias": qkv_bias, "layers": L},
+        {"model": model, "op": "o", "N": h, "K": q, "bias": o_bias, "layers": L},
+        {"model": model, "op": "gate_up", "N": 2 * i, "K": h, "bias": mlp_bias, "layers": L},
+        {"model": model, "op": "down", "N": h, "K": i, "bias": mlp_bias, "layers": L},
     ]
 
 
@@ -224,7 +232,8 @@ def step_savings(results: list[dict]) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"])
+    p.add_argument("--models", nargs="+", default=["qwen2.5-1.5b", "qwen2.5-7b"],
+                   help="preset names, model directories, .gguf files or cached hub ids")
     p.add_argument("--ops", nargs="+", default=["qkv", "o", "gate_up", "down"])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -1,5 +1,9 @@
 """The decode GEMM study's bookkeeping (shapes, table, savings); the timing itself needs a GPU."""
 
+import json
+
+import pytest
+
 from tandem.bench.gemm import decode_shapes, make_table, split_candidates, step_savings
 
 
@@ -8,6 +12,30 @@ def test_decode_shapes_of_qwen25_15b():
     assert shapes == {"qkv": (2048, 1536, True), "o": (1536, 1536, False),
                       "gate_up": (17920, 1536, False), "down": (1536, 8960, False)}
     assert {s["op"]: s["N"] for s in decode_shapes("qwen2.5-7b")}["qkv"] == 3584 + 2 * 512
+
+
+def test_decode_shapes_of_a_model_directory_follow_the_decoder(tmp_path):
+    """A directory's config.json, as the engine builds it: Qwen3's head_dim is not hidden / heads
+    (q is 16 x 128 = 2048 wide against a hidden size of 1024), and a Llama with attention_bias has
+    biases on q/k/v and o, with mlp_bias on gate/up and down."""
+    qwen3 = tmp_path / "qwen3"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}))
+    shapes = {s["op"]: (s["N"], s["K"], s["bias"], s["layers"]) for s in decode_shapes(str(qwen3))}
+    assert shapes == {"qkv": (2048 + 2 * 1024, 1024, False, 28), "o": (1024, 2048, False, 28),
+                      "gate_up": (6144, 1024, False, 28), "down": (1024, 3072, False, 28)}
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "attention_bias": True, "mlp_bias": True, "vocab_size": 1000}))
+    assert all(s["bias"] for s in decode_shapes(str(llama)))
+    with pytest.raises(ValueError, match="not a local directory"):
+        decode_shapes("no-such-model")
 
 
 def test_split_candidates_keep_the_grid_near_the_sms():
