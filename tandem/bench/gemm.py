@@ -36,29 +36,20 @@ QUICK_TILES = [(16, 32, 256, 4), (16, 64, 128, 4), (64, 64, 128, 4), (64, 128, 6
 SPLITS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
 
 
-def decode_shapes(model: str) -> list[dict]:
-    """The four GEMMs of one layer of `model` (a preset name, a model directory, a .gguf file or
-    a cached hub id, as `LLM` takes them): name, N, K, bias, and how many layers run it. The
-    shapes and biases are those `tandem.models.decoder` builds."""
-    from tandem.models.decoder import head_dim_of
-    from tandem.models.loader import resolve_model
-    from tandem.models.registry import get_decoder_spec
+def decode_shapes(model) -> list[dict]:
+    """The four GEMMs of one layer of `model` (a preset name, a model directory, a .gguf file, a
+    cached hub id or an in-memory transformers model, as `LLM` takes them): name, N, K, bias, and
+    how many layers run it, read off the model the engine builds (on the meta device: no memory,
+    no weights)."""
+    from tandem.models.loader import build_model, resolve_model
 
-    c = resolve_model(model, load_format="dummy").hf_config
-    spec = get_decoder_spec(c)
-    hd = head_dim_of(c)
-    heads = c.num_attention_heads
-    q, kv = heads * hd, (getattr(c, "num_key_value_heads", None) or heads) * hd
-    h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    qkv_bias = getattr(c, "attention_bias", spec.qkv_bias)  # as DecoderAttention reads them
-    o_bias = getattr(c, "attention_bias", False) and spec.o_bias_follows_qkv
-    mlp_bias = getattr(c, "mlp_bias", False)
-    return [
-        {"model": model, "op": "qkv", "N": q + 2 * kv, "K": h, "bias": qkv_bias, "layers": L},
-        {"model": model, "op": "o", "N": h, "K": q, "bias": o_bias, "layers": L},
-        {"model": model, "op": "gate_up", "N": 2 * i, "K": h, "bias": mlp_bias, "layers": L},
-        {"model": model, "op": "down", "N": h, "K": i, "bias": mlp_bias, "layers": L},
-    ]
+    cfg = resolve_model(model, load_format="dummy").hf_config
+    decoder = build_model(cfg, max_position=1, dtype=torch.bfloat16, device=torch.device("meta")).model
+    layer = decoder.layers[0]
+    gemms = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj,
+             "gate_up": layer.mlp.gate_up_proj, "down": layer.mlp.down_proj}
+    return [{"model": model, "op": op, "N": m.weight.shape[0], "K": m.weight.shape[1],
+             "bias": m.bias is not None, "layers": len(decoder.layers)} for op, m in gemms.items()]
 
 
 def split_candidates(M: int, N: int, K: int, cfg_tile, sms: int) -> list[int]:

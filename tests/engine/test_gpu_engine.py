@@ -144,11 +144,9 @@ def _decode_gemm_table(model, path) -> str:
     64 rows, as the shipped tables do for the presets' shapes (two configs, one with split-K)."""
     import json
 
-    c = model.config
-    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    h, i = c.hidden_size, c.intermediate_size
-    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # q/k/v, o, gate/up, down
+    from tandem.bench.gemm import decode_shapes
+
+    shapes = [(s["N"], s["K"]) for s in decode_shapes(model)]
     small = {"block_m": 16, "block_n": 32, "block_k": 64, "split_k": 2, "num_warps": 4, "num_stages": 3}
     wide = {"block_m": 64, "block_n": 64, "block_k": 64, "split_k": 1, "num_warps": 4, "num_stages": 3}
     path.write_text(json.dumps({"device": "test", "dtype": "bfloat16", "shapes": {
