@@ -29,6 +29,18 @@ class ModelShape:
     weight_bytes: int
     kv_bytes_per_token: int  # all layers, K and V
     embedding_params: int = 0  # the embedding and (untied) LM head: a prompt token runs neither as a GEMM
+    # An untied model's input embedding: a decode step gathers a row of it a sequence, so neither
+    # its FLOPs nor its bytes bound the step (a tied table is the LM head's GEMM, and counts).
+    input_embedding_params: int = 0
+
+    @property
+    def decode_params(self) -> int:
+        """The parameters a decode step reads whole and multiplies by every row."""
+        return self.params - self.input_embedding_params
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        return self.weight_bytes * self.decode_params // self.params if self.params else 0
 
     @classmethod
     def from_hf_config(cls, cfg, dtype_bytes: int = 2) -> "ModelShape":
@@ -47,7 +59,7 @@ class ModelShape:
         tied = getattr(cfg, "tie_word_embeddings", False)
         params = layers * per_layer + vocab * h * (1 if tied else 2) + h
         return cls(params, params * dtype_bytes, 2 * layers * kv * hd * dtype_bytes,
-                   vocab * h * (1 if tied else 2))
+                   vocab * h * (1 if tied else 2), 0 if tied else vocab * h)
 
 
 def decode_step_seconds(
@@ -57,9 +69,11 @@ def decode_step_seconds(
     hbm: float = H200_HBM_BYTES_PER_S,
     flops: float = H200_BF16_FLOPS,
 ) -> float:
-    """Lower bound of one decode step: `batch` sequences holding `context_tokens` tokens in all."""
-    memory = (shape.weight_bytes + shape.kv_bytes_per_token * context_tokens) / hbm
-    compute = 2 * shape.params * batch / flops
+    """Lower bound of one decode step: `batch` sequences holding `context_tokens` tokens in all.
+    Every weight it multiplies is read once and does 2 FLOPs a row (an untied input embedding is a
+    gather of `batch` rows: left out of both)."""
+    memory = (shape.decode_weight_bytes + shape.kv_bytes_per_token * context_tokens) / hbm
+    compute = 2 * shape.decode_params * batch / flops
     return max(memory, compute)
 
 

@@ -81,6 +81,29 @@ def test_prefill_floor_counts_the_prompt_tokens_gemms_only():
     assert untied.embedding_params == 2 * 100 * 64
 
 
+def test_decode_ceiling_leaves_out_an_untied_input_embedding():
+    """A decode step gathers one row of an untied input embedding a sequence: the table is
+    neither read whole nor multiplied, so the ceiling counts the LM head and the layers only; a
+    tied table is the LM head itself and counts once."""
+    from transformers import Qwen2Config
+
+    from tandem.bench.roofline import ModelShape, decode_step_seconds
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=1000)
+    tied = ModelShape.from_hf_config(Qwen2Config(tie_word_embeddings=True, **kw))
+    untied = ModelShape.from_hf_config(Qwen2Config(tie_word_embeddings=False, **kw))
+    assert untied.params == tied.params + 1000 * 64
+    assert (tied.decode_params, untied.decode_params) == (tied.params, tied.params)
+    assert untied.decode_weight_bytes == tied.weight_bytes
+    for batch, context in ((1, 10), (4096, 0)):  # bandwidth-bound, then compute-bound
+        assert decode_step_seconds(untied, batch, context, hbm=1e12, flops=1e12) == \
+            decode_step_seconds(tied, batch, context, hbm=1e12, flops=1e12)
+    assert decode_step_seconds(tied, 4096, 0, hbm=1e15, flops=1e12) == 2 * tied.params * 4096 / 1e12
+    assert decode_step_seconds(tied, 1, 10, hbm=1e12, flops=1e15) == \
+        (tied.weight_bytes + 10 * tied.kv_bytes_per_token) / 1e12
+
+
 def test_phases_split_the_run_and_print_against_the_prefill_floor(capsys):
     from tandem.bench.throughput import _print_table, phases
 
