@@ -1,4 +1,4 @@
-"""Decode GEMM study on one GPU: cuBLAS, cuBLASLt, TunableOp and the Triton decode GEMM.
+"""Decode GEMM study on one GPU: cuBLAS, cuBLASLt's other algorithms, TunableOp and the Triton decode GEMM.
 
     python -m tandem.bench.gemm [--models qwen2.5-1.5b qwen2.5-7b /path/to/model --rows 64 128 256
         --table-out decode_gemm_table.json --quick]
@@ -8,8 +8,13 @@ Every linear layer of a decode step (q/k/v with its bias, o, gate/up, down; shap
 over enough weight copies that L2 holds none of the weight a call reads (the input stays hot, as
 the previous kernel just wrote it). The Triton GEMM is swept over tiles and split-K counts. Each
 row reports us, TFLOP/s, GB/s of weight read and % of the roofline max(weight bytes / HBM,
-FLOPs / peak). `--table-out` writes, per shape and M bucket, the faster of cuBLAS and the best
-Triton config: the table `EngineConfig(decode_gemm=PATH)` reads. Ends with one line of JSON.
+FLOPs / peak). cuBLASLt's heuristic proposes several algorithms for a shape and `F.linear` runs
+its first; the first eight are timed too (`cublaslt-algos`, bias-free shapes: that path has no
+bias). `--table-out` writes, per shape and M bucket, the fastest of cuBLAS, the best Triton config
+and the best cuBLASLt algorithm (either of the last two only where it beats cuBLAS by `--margin`
+and gives the same bits run after run): the table `EngineConfig(decode_gemm=PATH)` reads;
+`--table-merge FILE` starts it from an earlier table, so new buckets can be measured alone. Ends
+with one line of JSON.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.bench.kernels import LAUNCH_ERRORS, time_in_graph
+from tandem.kernels import cublaslt
 from tandem.kernels.decode_gemm import GemmConfig, default_config, linear
 
 TILES = [  # (block_m, block_n, block_k, num_warps); the 16-row tiles for M <= 32 only
@@ -117,6 +123,32 @@ def time_tunable(bench, x, results_dir: str) -> float:
         tunable.enable(False)
 
 
+def deterministic(fn) -> bool:
+    again = [fn() for _ in range(3)]
+    return all(torch.equal(a, again[0]) for a in again)
+
+
+def time_lt_algos(bench, shape, M, x, want, tol, cublas, args) -> list[dict]:
+    """cuBLASLt's first eight heuristic algorithms for this shape, each timed; the fastest right
+    one again as "cublaslt-best"."""
+    N, K, wb = shape["N"], shape["K"], bench.w_bytes
+    rows, best = [], None
+    for algo in cublaslt.heuristic_algos(M, N, K, x.dtype, x.device, count=8):
+        fn = lambda x_, w, b, algo=algo: cublaslt.linear(x_, w, algo)
+        err = (fn(x, bench.weights[0], None).float() - want).abs().max().item()
+        r = row(shape, M, "cublaslt-algo", bench.time(fn, x), wb, args.hbm, args.flops,
+                config=asdict(algo), max_abs_err=err, wrong=err > tol)
+        rows.append(r)
+        if not r["wrong"] and (best is None or r["us"] < best["us"]):
+            best = r
+    if best is not None:
+        algo = cublaslt.LtAlgo(**best["config"])
+        same = deterministic(lambda: cublaslt.linear(x, bench.weights[0], algo))
+        rows.append({**best, "impl": "cublaslt-best", "speedup_vs_cublas": cublas / best["us"],
+                     "deterministic": same})
+    return rows
+
+
 def study_shape(shape, rows, args, dtype, sms, l2, tmp) -> list[dict]:
     bench = ShapeBench(shape, dtype, l2)
     N, K, wb = shape["N"], shape["K"], bench.w_bytes
@@ -137,6 +169,10 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp) -> list[dict]:
             except (RuntimeError, AttributeError) as e:
                 out.append(row(shape, M, label, None, wb, args.hbm, args.flops,
                                error=f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+        if "cublaslt-algos" not in args.skip and bench.bias is None and cublaslt.available():
+            out += time_lt_algos(bench, shape, M, x, want, tol, cublas, args)
+        if "triton" in args.skip:
+            continue
         configs = [default_config(M, N, K, x.device)]
         for tile in (QUICK_TILES if args.quick else TILES):
             if tile[0] > max(64, M) or (tile[0] < 64 and M > 32):
@@ -161,8 +197,7 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp) -> list[dict]:
                 best = r
         if best is not None:
             cfg = GemmConfig(**best["config"])
-            again = [linear(x, bench.weights[0], bench.bias, cfg) for _ in range(3)]
-            same = all(torch.equal(a, again[0]) for a in again)
+            same = deterministic(lambda: linear(x, bench.weights[0], bench.bias, cfg))
             out.append({**best, "impl": "triton-best", "speedup_vs_cublas": cublas / best["us"],
                         "deterministic": same})
     bench.weights.clear()
@@ -170,28 +205,43 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp) -> list[dict]:
     return out
 
 
-def make_table(results: list[dict], device: str, dtype: str, margin: float) -> dict:
-    """Per (N, K): for each measured M, Triton's best config where it beats cuBLAS by `margin`."""
-    shapes: dict[str, list] = {}
+BEST = {"triton-best": "triton", "cublaslt-best": "cublaslt"}
+
+
+def make_table(results: list[dict], device: str, dtype: str, margin: float, base: dict | None = None) -> dict:
+    """Per (N, K) and measured M: the fastest of the best Triton config and the best cuBLASLt
+    algorithm where it beats cuBLAS by `margin` (and repeats its bits), else cuBLAS. Entries of
+    `base` (an earlier table) stay where this run measured no such (N, K, M)."""
+    measured: dict[tuple, dict] = {}
     for r in results:
-        if r["impl"] != "triton-best":
+        if r["impl"] not in BEST:
             continue
+        e = measured.setdefault((f"{r['N']},{r['K']}", r["M"]), {
+            "max_m": r["M"], "backend": "cublas", "config": None,
+            "cublas_us": round(r["us"] * r["speedup_vs_cublas"], 2)})
+        backend = BEST[r["impl"]]
+        e[f"{backend}_us"] = round(r["us"], 2)
         wins = r["speedup_vs_cublas"] >= 1 + margin and r.get("deterministic", True)
-        entry = {"max_m": r["M"], "backend": "triton" if wins else "cublas",
-                 "config": r["config"] if wins else None,
-                 "triton_us": round(r["us"], 2), "cublas_us": round(r["us"] * r["speedup_vs_cublas"], 2)}
-        shapes.setdefault(f"{r['N']},{r['K']}", []).append(entry)
+        if wins and (e["config"] is None or r["us"] < e[f"{e['backend']}_us"]):
+            e["backend"], e["config"] = backend, r["config"]
+    shapes: dict[str, list] = {k: list(v) for k, v in (base or {}).get("shapes", {}).items()}
+    for (key, m), entry in measured.items():
+        kept = [e for e in shapes.get(key, []) if e["max_m"] != m]
+        shapes[key] = kept + [entry]
     for entries in shapes.values():
         entries.sort(key=lambda e: e["max_m"])
-    return {"device": device, "dtype": dtype, "shapes": shapes}
+    out = {"device": device, "dtype": dtype, "shapes": shapes}
+    if any(e["backend"] == "cublaslt" for entries in shapes.values() for e in entries):
+        out["cublaslt_version"] = (base or {}).get("cublaslt_version") or cublaslt.version()
+    return out
 
 
 def print_rows(results: list[dict]) -> None:
     print(f"{'model':<14}{'op':<9}{'M':>5}{'N':>7}{'K':>7}  {'impl':<15}{'us':>8}{'TFLOP/s':>9}"
           f"{'GB/s':>7}{'roof%':>7}  config (block_m/n/k/split_k/warps/stages)")
     for r in results:
-        if r["impl"] == "triton" and not r.get("error") and not r.get("wrong"):
-            continue  # the sweep: in the JSON
+        if r["impl"] in ("triton", "cublaslt-algo") and not r.get("error") and not r.get("wrong"):
+            continue  # the sweeps: in the JSON
         cfg = r.get("config")
         cfg = "/".join(str(v) for v in cfg.values()) if cfg else ""
         extra = f"  x{r['speedup_vs_cublas']:.2f} vs cuBLAS" if "speedup_vs_cublas" in r else ""
@@ -206,16 +256,20 @@ def print_rows(results: list[dict]) -> None:
 
 
 def step_savings(results: list[dict]) -> dict:
-    """Per model and M: ms per decode step saved if every GEMM ran its best (Triton or cuBLAS)."""
+    """Per model and M: ms per decode step saved if every GEMM ran its best (Triton, cuBLASLt or
+    cuBLAS)."""
     out: dict = {}
+    best: dict[tuple, tuple] = {}  # (model, M, op) -> (layers, cuBLAS us, best us)
     for r in results:
-        if r["impl"] != "triton-best":
+        if r["impl"] not in BEST:
             continue
         cublas = r["us"] * r["speedup_vs_cublas"]
-        key = f"{r['model']}@{r['M']}"
-        s = out.setdefault(key, {"cublas_ms": 0.0, "best_ms": 0.0})
-        s["cublas_ms"] += r["layers"] * cublas / 1e3
-        s["best_ms"] += r["layers"] * min(cublas, r["us"]) / 1e3
+        k = (r["model"], r["M"], r["op"])
+        best[k] = (r["layers"], cublas, min(cublas, r["us"], best.get(k, (0, 0, cublas))[2]))
+    for (model, m, _), (layers, cublas, fastest) in best.items():
+        s = out.setdefault(f"{model}@{m}", {"cublas_ms": 0.0, "best_ms": 0.0})
+        s["cublas_ms"] += layers * cublas / 1e3
+        s["best_ms"] += layers * fastest / 1e3
     for s in out.values():
         s["saved_ms"] = s["cublas_ms"] - s["best_ms"]
     return out
@@ -230,12 +284,16 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     p.add_argument("--quick", action="store_true", help="4 tiles instead of 10")
-    p.add_argument("--skip", nargs="*", default=[], help="cublaslt and/or tunableop")
+    p.add_argument("--skip", nargs="*", default=[],
+                   help="any of cublaslt (torch's cuBLASLt backend), cublaslt-algos (cuBLASLt's "
+                   "other heuristic algorithms), tunableop, triton (the Triton sweep)")
     p.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s (H200 spec: 4.8e12)")
     p.add_argument("--flops", type=float, default=791e12, help="dense bf16 FLOP/s (H200: 791e12)")
     p.add_argument("--margin", type=float, default=0.03,
                    help="Triton enters the table where it beats cuBLAS by this fraction")
     p.add_argument("--table-out", help="write the per-shape decode GEMM table (JSON) here")
+    p.add_argument("--table-merge", help="an earlier table (JSON): its entries for the shapes and "
+                   "buckets this run does not measure go into --table-out unchanged")
     args = p.parse_args()
 
     dtype = getattr(torch, args.dtype)
@@ -254,7 +312,11 @@ def main() -> None:
     for key, s in savings.items():
         print(f"{key}: GEMMs {s['cublas_ms']:.3f} ms/step with cuBLAS, {s['best_ms']:.3f} with the "
               f"best of each shape (saves {s['saved_ms']:.3f} ms)")
-    table = make_table(results, props.name, args.dtype, args.margin)
+    base = None
+    if args.table_merge:
+        with open(args.table_merge) as f:
+            base = json.load(f)
+    table = make_table(results, props.name, args.dtype, args.margin, base)
     if args.table_out:
         with open(args.table_out, "w") as f:
             json.dump(table, f, indent=1)

@@ -1,19 +1,24 @@
-"""Which linear layers run the Triton decode GEMM (`tandem.kernels.decode_gemm`), and with what.
+"""Which linear layers run a decode GEMM other than `F.linear`'s, and with what.
 
 A table measured on one GPU (`python -m tandem.bench.gemm --table-out FILE`) lists, per weight
-shape (N, K) and M bucket, whether cuBLAS or the Triton GEMM won there and the winning config.
+shape (N, K) and M bucket, which won there: cuBLAS (`F.linear`), the Triton decode GEMM
+(`tandem.kernels.decode_gemm`, with its config) or another of cuBLASLt's own algorithms
+(`tandem.kernels.cublaslt`, with its config attributes; bias-free layers only).
 `apply_decode_gemm` hands each plain linear layer its shape's entries, once, from outside the
-model; a layer runs Triton only for the M its table says Triton wins at, cuBLAS for the rest.
+model; a layer runs the table's choice only for the M it was measured to win at, cuBLAS for the
+rest.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels.cublaslt import LtAlgo
 from tandem.kernels.decode_gemm import GemmConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "kernels", "configs")
@@ -21,10 +26,14 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "kernels", "conf
 
 @dataclass(frozen=True)
 class GemmChoice:
-    """Rows up to `max_m` (and above the previous entry's) run `config`; None: cuBLAS."""
+    """Rows up to `max_m` (and above the previous entry's) run `config`: a Triton `GemmConfig`, a
+    cuBLASLt `LtAlgo`, or None: cuBLAS."""
 
     max_m: int
-    config: GemmConfig | None
+    config: GemmConfig | LtAlgo | None
+
+
+BACKENDS = {"triton": GemmConfig, "cublaslt": LtAlgo, "cublas": None}
 
 
 def parse_table(table: dict) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
@@ -32,9 +41,13 @@ def parse_table(table: dict) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
     out = {}
     for key, entries in table["shapes"].items():
         n, k = (int(v) for v in key.split(","))
-        choices = [GemmChoice(int(e["max_m"]),
-                              GemmConfig(**e["config"]) if e["backend"] == "triton" else None)
-                   for e in entries]
+        choices = []
+        for e in entries:
+            if e["backend"] not in BACKENDS:
+                raise ValueError(f"decode GEMM table, shape {key}: backend {e['backend']!r} is none of "
+                                 f"{sorted(BACKENDS)}")
+            kind = BACKENDS[e["backend"]]
+            choices.append(GemmChoice(int(e["max_m"]), kind(**e["config"]) if kind else None))
         out[(n, k)] = tuple(sorted(choices, key=lambda c: c.max_m))
     return out
 
@@ -62,25 +75,42 @@ def load_table(spec: str, device: torch.device) -> dict[tuple[int, int], tuple[G
     if path is None:
         return {}
     with open(path) as f:
-        return parse_table(json.load(f))
+        table = json.load(f)
+    built_with = table.get("cublaslt_version")
+    if built_with is not None and device.type == "cuda":
+        from tandem.kernels import cublaslt
+
+        if cublaslt.version() != built_with:  # still right (each config is checked), maybe slower
+            warnings.warn(f"decode GEMM table {path}: its cuBLASLt algorithms were measured with "
+                          f"cuBLASLt {built_with}, this is {cublaslt.version()}; remeasure with "
+                          "`python -m tandem.bench.gemm --table-out FILE`", stacklevel=2)
+    return parse_table(table)
 
 
 def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
-    """Give every plain linear layer (not the LM head) whose (N, K) is in `table` its choices;
-    returns how many layers got some."""
+    """Give every plain linear layer (not the LM head) whose (N, K) is in `table` its choices
+    (a layer with a bias runs cuBLAS where its shape's entry is cuBLASLt's: that path has no
+    bias); returns how many layers got some."""
+    from tandem.kernels import cublaslt
     from tandem.layers.linear import Linear, LMHead, MergedLinear
 
     count = 0
     for m in model.modules():
         if isinstance(m, (Linear, MergedLinear)) and not isinstance(m, LMHead):
             choices = table.get(tuple(m.weight.shape))
+            if choices and any(isinstance(c.config, LtAlgo) for c in choices):
+                if m.bias is not None or not m.weight.is_cuda or not cublaslt.available():
+                    choices = tuple(GemmChoice(c.max_m, None if isinstance(c.config, LtAlgo) else c.config)
+                                    for c in choices)
+                else:
+                    cublaslt.prepare(m.weight.device)
             if choices and any(c.config is not None for c in choices):
                 m.decode_gemm = choices
                 count += 1
     return count
 
 
-def pick(choices: tuple[GemmChoice, ...], m: int) -> GemmConfig | None:
+def pick(choices: tuple[GemmChoice, ...], m: int) -> GemmConfig | LtAlgo | None:
     """The config for `m` rows: the first bucket holding m; past the last bucket, cuBLAS."""
     for c in choices:
         if m <= c.max_m:

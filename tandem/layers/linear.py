@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import batch_invariant
+from tandem.kernels.cublaslt import LtAlgo
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -62,7 +63,8 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            decode_gemm: tuple | None = None) -> torch.Tensor:
     """F.linear, or its batch-invariant kernel when that mode is on (`tandem.batch_invariant`), or
-    the Triton decode GEMM where the layer's table (`tandem.layers.decode_gemm`) picks it."""
+    the Triton decode GEMM or a cuBLASLt algorithm where the layer's table
+    (`tandem.layers.decode_gemm`) picks one."""
     if batch_invariant.is_enabled():
         from tandem.kernels.batch_invariant import linear as bi_linear
 
@@ -72,7 +74,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         from tandem.layers.decode_gemm import pick
 
         config = pick(decode_gemm, x.numel() // x.shape[-1])
-        if config is not None:
+        if isinstance(config, LtAlgo):
+            if bias is None:  # (`apply_decode_gemm` gives biased layers none)
+                from tandem.kernels.cublaslt import linear as lt_linear
+
+                return lt_linear(x, weight, config)
+        elif config is not None:
             from tandem.kernels.decode_gemm import linear as triton_linear
 
             return triton_linear(x, weight, bias, config)

@@ -61,3 +61,38 @@ def test_table_keeps_triton_only_where_it_wins():
     assert entries[1]["backend"] == "cublas" and entries[1]["config"] is None
     s = step_savings(results)["m@64"]
     assert abs(s["cublas_ms"] - 28 * 15e-3) < 1e-9 and abs(s["saved_ms"] - 28 * 5e-3) < 1e-9
+
+
+def lt_best(M, us, speedup):
+    return {"model": "m", "op": "down", "layers": 28, "M": M, "N": 1536, "K": 8960, "impl": "cublaslt-best",
+            "us": us, "speedup_vs_cublas": speedup, "deterministic": True,
+            "config": {"algo_id": 66, "tile": 28, "split_k": 4, "reduction": 2, "swizzle": 0, "custom": 0,
+                       "stages": 35, "inner_shape": 0, "cluster": 3}}
+
+
+def test_table_takes_the_fastest_winner_and_merges_an_earlier_table():
+    """Per (N, K, M): the faster of Triton's and cuBLASLt's bests where it beats cuBLAS by the
+    margin; a merged earlier table keeps its entries for buckets this run did not measure, and
+    loses those it did."""
+    results = [best("m", 64, 1536, 8960, 10.0, 1.5), lt_best(64, 12.0, 1.25),  # Triton faster
+               best("m", 128, 1536, 8960, 14.0, 1.0), lt_best(128, 12.5, 1.12),  # cuBLASLt
+               lt_best(256, 15.0, 1.01),  # neither: cuBLAS
+               {**lt_best(32, 5.0, 2.0), "deterministic": False}]  # not repeatable: cuBLAS
+    earlier = {"device": "NVIDIA H200", "dtype": "bfloat16", "shapes": {
+        "1536,8960": [{"max_m": 1, "backend": "triton", "config": {"block_m": 16}, "triton_us": 3.0,
+                       "cublas_us": 4.0},
+                      {"max_m": 64, "backend": "cublas", "config": None, "cublas_us": 9.0}],
+        "2048,1536": [{"max_m": 1, "backend": "cublas", "config": None}]}}
+    table = make_table(results, "NVIDIA H200", "bfloat16", margin=0.03, base=earlier)
+    entries = {e["max_m"]: e for e in table["shapes"]["1536,8960"]}
+    assert sorted(entries) == [1, 32, 64, 128, 256]
+    assert entries[1]["triton_us"] == 3.0  # kept
+    assert entries[64]["backend"] == "triton" and entries[64]["cublaslt_us"] == 12.0
+    assert entries[128]["backend"] == "cublaslt" and entries[128]["config"]["split_k"] == 4
+    assert entries[128]["cublas_us"] == 14.0 and entries[128]["triton_us"] == 14.0
+    assert entries[256]["backend"] == "cublas" and entries[256]["config"] is None
+    assert entries[32]["backend"] == "cublas"
+    assert table["shapes"]["2048,1536"] == earlier["shapes"]["2048,1536"]
+    assert "cublaslt_version" in table
+    s = step_savings(results)["m@128"]
+    assert abs(s["cublas_ms"] - 28 * 14e-3) < 1e-9 and abs(s["saved_ms"] - 28 * 1.5e-3) < 1e-9

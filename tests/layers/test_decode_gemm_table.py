@@ -54,6 +54,66 @@ def test_layers_get_their_shapes_choices_and_run_triton_only_there(monkeypatch):
     assert calls == [(48, 32)]
 
 
+LT = {"algo_id": 66, "tile": 28, "split_k": 4, "reduction": 2, "swizzle": 0, "custom": 0, "stages": 35,
+      "inner_shape": 0, "cluster": 3}
+
+
+def test_cublaslt_entries_go_to_bias_free_layers_on_a_gpu_only():
+    """A cuBLASLt algorithm has no bias path: a biased layer of that shape keeps cuBLAS there
+    (and its Triton buckets); on a CPU there is no cuBLASLt, so no layer gets one."""
+    from tandem.kernels import cublaslt
+
+    raw = {"device": "test", "dtype": "bfloat16", "shapes": {"48,32": [
+        {"max_m": 4, "backend": "triton", "config": SMALL},
+        {"max_m": 256, "backend": "cublaslt", "config": LT}]}}
+    parsed = parse_table(raw)
+    assert pick(parsed[(48, 32)], 200) == cublaslt.LtAlgo(**LT)
+    plain, biased = Linear(32, 48, bias=False), Linear(32, 48, bias=True)
+    assert apply_decode_gemm(torch.nn.ModuleList([plain, biased]), parsed) == 2  # Triton at <= 4 rows
+    assert pick(biased.decode_gemm, 200) is None and pick(biased.decode_gemm, 2) == GemmConfig(**SMALL)
+    assert pick(plain.decode_gemm, 200) is None  # the CPU: no cuBLASLt
+    only_lt = parse_table({"shapes": {"48,32": [{"max_m": 256, "backend": "cublaslt", "config": LT}]}})
+    layer = Linear(32, 48, bias=False)
+    assert apply_decode_gemm(torch.nn.ModuleList([layer]), only_lt) == 0 and layer.decode_gemm is None
+    with pytest.raises(ValueError, match="backend 'cutlass' is none of"):
+        parse_table({"shapes": {"48,32": [{"max_m": 4, "backend": "cutlass", "config": {}}]}})
+
+
+def test_a_cublaslt_choice_off_the_gpu_is_f_linear():
+    """`cublaslt.linear` runs `F.linear` where it cannot run the algorithm (here: a CPU tensor),
+    so a layer holding a cuBLASLt choice is never wrong, only unaccelerated."""
+    from tandem.kernels import cublaslt
+    from tandem.layers.linear import linear
+
+    x, w = torch.randn(5, 32), torch.randn(48, 32)
+    algo = cublaslt.LtAlgo(**LT)
+    assert not cublaslt.supports(x, w)
+    assert torch.equal(cublaslt.linear(x, w, algo), torch.nn.functional.linear(x, w))
+    with torch.no_grad():
+        assert torch.equal(linear(x, w, None, (GemmChoice(256, algo),)), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.gpu
+def test_a_bias_free_layer_runs_its_cublaslt_bucket_on_the_gpu(monkeypatch):
+    from tandem.kernels import cublaslt
+
+    calls = []
+    lt_linear = cublaslt.linear
+    monkeypatch.setattr(cublaslt, "linear", lambda *a: calls.append(a[0].shape[0]) or lt_linear(*a))
+    N, K = 1536, 8960
+    algo = cublaslt.heuristic_algos(256, N, K, torch.bfloat16, torch.device("cuda"))[0]
+    raw = {"shapes": {f"{N},{K}": [{"max_m": 64, "backend": "cublas", "config": None},
+                                   {"max_m": 256, "backend": "cublaslt", "config": vars(algo)}]}}
+    layer = Linear(K, N, bias=False).to("cuda", torch.bfloat16)
+    assert apply_decode_gemm(torch.nn.ModuleList([layer]), parse_table(raw)) == 1
+    with torch.no_grad():
+        for m in (32, 200, 256, 300):
+            x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight),
+                                       atol=2e-2, rtol=2e-2)
+    assert calls == [200, 256]  # its bucket only: cuBLAS at 32 rows and past the table
+
+
 def test_config_refuses_an_unknown_choice(tmp_path):
     with pytest.raises(ValueError,
                        match="decode_gemm must be 'auto', 'cublas', 'triton' or an existing"):
@@ -108,7 +168,8 @@ def test_auto_is_the_default_and_means_cublas_where_no_table_was_measured(tmp_pa
 
 def test_the_shipped_tables_cover_the_presets_decode_shapes():
     """The H200 table: every decode GEMM of the presets it was measured on, buckets from 1 row up
-    to 64 (past the last, cuBLAS), each Triton entry faster than cuBLAS there by the margin."""
+    to 64 (256 for a bias-free GEMM; past the last, cuBLAS), each Triton or cuBLASLt entry faster than cuBLAS there by the
+    margin (and cuBLASLt's for bias-free shapes only)."""
     import os
 
     from tandem.bench.gemm import decode_shapes
@@ -121,8 +182,9 @@ def test_the_shipped_tables_cover_the_presets_decode_shapes():
     for model in ("qwen2.5-1.5b", "qwen2.5-7b", "smollm2-135m"):
         for shape in decode_shapes(model):
             choices = parsed[(shape["N"], shape["K"])]
-            assert [c.max_m for c in choices] == [1, 4, 16, 32, 64], (model, shape["op"])
+            buckets = [1, 4, 16, 32, 64] + ([] if shape["bias"] else [128, 256])  # cuBLASLt's: no bias
+            assert [c.max_m for c in choices] == buckets, (model, shape["op"])
     for entries in raw["shapes"].values():
         for e in entries:
-            if e["backend"] == "triton":
-                assert e["cublas_us"] >= 1.03 * e["triton_us"], e
+            if e["backend"] != "cublas":
+                assert e["cublas_us"] >= 1.03 * e[f"{e['backend']}_us"], e
