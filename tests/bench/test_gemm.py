@@ -46,7 +46,7 @@ def test_split_candidates_keep_the_grid_near_the_sms():
 
 def best(model, M, N, K, us, speedup):
     return {"model": model, "op": "down", "layers": 28, "M": M, "N": N, "K": K,
-            "impl": "triton-best", "us": us, "speedup_vs_cublas": speedup,
+            "impl": "triton-best", "us": us, "speedup_vs_cublas": speedup, "cublas_us": us * speedup,
             "config": {"block_m": 64, "block_n": 128, "block_k": 64, "split_k": 4,
                        "num_warps": 4, "num_stages": 4}}
 
@@ -65,7 +65,7 @@ def test_table_keeps_triton_only_where_it_wins():
 
 def lt_best(M, us, speedup):
     return {"model": "m", "op": "down", "layers": 28, "M": M, "N": 1536, "K": 8960, "impl": "cublaslt-best",
-            "us": us, "speedup_vs_cublas": speedup, "deterministic": True,
+            "us": us, "speedup_vs_cublas": speedup, "deterministic": True, "cublas_us": us * speedup,
             "config": {"algo_id": 66, "tile": 28, "split_k": 4, "reduction": 2, "swizzle": 0, "custom": 0,
                        "stages": 35, "inner_shape": 0, "cluster": 3}}
 
@@ -77,7 +77,9 @@ def test_table_takes_the_fastest_winner_and_merges_an_earlier_table():
     results = [best("m", 64, 1536, 8960, 10.0, 1.5), lt_best(64, 12.0, 1.25),  # Triton faster
                best("m", 128, 1536, 8960, 14.0, 1.0), lt_best(128, 12.5, 1.12),  # cuBLASLt
                lt_best(256, 15.0, 1.01),  # neither: cuBLAS
-               {**lt_best(32, 5.0, 2.0), "deterministic": False}]  # not repeatable: cuBLAS
+               {**lt_best(32, 5.0, 2.0), "deterministic": False},  # not repeatable: cuBLAS
+               {"impl": "cublas", "M": 512, "N": 1536, "K": 8960, "us": 30.0},  # measured, no rival
+               {"impl": "cublas", "M": 1024, "N": 1536, "K": 8960, "us": None}]  # failed: no entry
     earlier = {"device": "NVIDIA H200", "dtype": "bfloat16", "shapes": {
         "1536,8960": [{"max_m": 1, "backend": "triton", "config": {"block_m": 16}, "triton_us": 3.0,
                        "cublas_us": 4.0},
@@ -85,7 +87,8 @@ def test_table_takes_the_fastest_winner_and_merges_an_earlier_table():
         "2048,1536": [{"max_m": 1, "backend": "cublas", "config": None}]}}
     table = make_table(results, "NVIDIA H200", "bfloat16", margin=0.03, base=earlier)
     entries = {e["max_m"]: e for e in table["shapes"]["1536,8960"]}
-    assert sorted(entries) == [1, 32, 64, 128, 256]
+    assert sorted(entries) == [1, 32, 64, 128, 256, 512]
+    assert entries[512] == {"max_m": 512, "backend": "cublas", "config": None, "cublas_us": 30.0}
     assert entries[1]["triton_us"] == 3.0  # kept
     assert entries[64]["backend"] == "triton" and entries[64]["cublaslt_us"] == 12.0
     assert entries[128]["backend"] == "cublaslt" and entries[128]["config"]["split_k"] == 4
@@ -96,3 +99,13 @@ def test_table_takes_the_fastest_winner_and_merges_an_earlier_table():
     assert "cublaslt_version" in table
     s = step_savings(results)["m@128"]
     assert abs(s["cublas_ms"] - 28 * 14e-3) < 1e-9 and abs(s["saved_ms"] - 28 * 1.5e-3) < 1e-9
+
+
+def test_a_bucket_starts_past_the_largest_row_below_it():
+    from tandem.bench.gemm import bucket_floor
+
+    earlier = {"shapes": {"8,4": [{"max_m": 1}, {"max_m": 64}], "4,4": [{"max_m": 32}]}}
+    assert bucket_floor(256, [128, 256], None) == 129
+    assert bucket_floor(128, [128, 256], None) == 1
+    assert bucket_floor(128, [128, 256], earlier) == 65  # the merged table's 64-row bucket
+    assert bucket_floor(1, [1, 4], earlier) == 1
