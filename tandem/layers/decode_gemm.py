@@ -31,6 +31,7 @@ class GemmChoice:
 
     max_m: int
     config: GemmConfig | LtAlgo | None
+    measured_with: int | None = None  # a cuBLASLt choice: the cuBLASLt version it was timed under
 
 
 BACKENDS = {"triton": GemmConfig, "cublaslt": LtAlgo, "cublas": None}
@@ -47,7 +48,8 @@ def parse_table(table: dict) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
                 raise ValueError(f"decode GEMM table, shape {key}: backend {e['backend']!r} is none of "
                                  f"{sorted(BACKENDS)}")
             kind = BACKENDS[e["backend"]]
-            choices.append(GemmChoice(int(e["max_m"]), kind(**e["config"]) if kind else None))
+            choices.append(GemmChoice(int(e["max_m"]), kind(**e["config"]) if kind else None,
+                                      table.get("cublaslt_version") if kind is LtAlgo else None))
         out[(n, k)] = tuple(sorted(choices, key=lambda c: c.max_m))
     return out
 
@@ -75,16 +77,7 @@ def load_table(spec: str, device: torch.device) -> dict[tuple[int, int], tuple[G
     if path is None:
         return {}
     with open(path) as f:
-        table = json.load(f)
-    built_with = table.get("cublaslt_version")
-    if built_with is not None and device.type == "cuda":
-        from tandem.kernels import cublaslt
-
-        if cublaslt.version() != built_with:  # still right (each config is checked), maybe slower
-            warnings.warn(f"decode GEMM table {path}: its cuBLASLt algorithms were measured with "
-                          f"cuBLASLt {built_with}, this is {cublaslt.version()}; remeasure with "
-                          "`python -m tandem.bench.gemm --table-out FILE`", stacklevel=2)
-    return parse_table(table)
+        return parse_table(json.load(f))
 
 
 def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
@@ -94,7 +87,7 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
     from tandem.kernels import cublaslt
     from tandem.layers.linear import Linear, LMHead, MergedLinear
 
-    count = 0
+    count, warned = 0, False
     for m in model.modules():
         if isinstance(m, (Linear, MergedLinear)) and not isinstance(m, LMHead):
             choices = table.get(tuple(m.weight.shape))
@@ -104,6 +97,14 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
                                     for c in choices)
                 else:
                     cublaslt.prepare(m.weight.device)
+                    stale = {c.measured_with for c in choices if isinstance(c.config, LtAlgo)}
+                    stale.discard(cublaslt.version())
+                    if stale and not warned:  # still right (each config is checked), maybe slower
+                        warned = True
+                        warnings.warn(f"decode GEMM table: its cuBLASLt algorithms were measured "
+                                      f"with cuBLASLt {sorted(stale, key=str)}, this is "
+                                      f"{cublaslt.version()}; remeasure with `python -m "
+                                      "tandem.bench.gemm --table-out FILE`", stacklevel=2)
             if choices and any(c.config is not None for c in choices):
                 m.decode_gemm = choices
                 count += 1

@@ -69,6 +69,8 @@ def test_cublaslt_entries_go_to_bias_free_layers_on_a_gpu_only():
         {"max_m": 256, "backend": "cublaslt", "config": LT}]}}
     parsed = parse_table(raw)
     assert pick(parsed[(48, 32)], 200) == cublaslt.LtAlgo(**LT)
+    assert parse_table({**raw, "cublaslt_version": 130100})[(48, 32)][1].measured_with == 130100
+    assert parsed[(48, 32)][0].measured_with is None  # (Triton's entry: no cuBLASLt version)
     plain, biased = Linear(32, 48, bias=False), Linear(32, 48, bias=True)
     assert apply_decode_gemm(torch.nn.ModuleList([plain, biased]), parsed) == 2  # Triton at <= 4 rows
     assert pick(biased.decode_gemm, 200) is None and pick(biased.decode_gemm, 2) == GemmConfig(**SMALL)
