@@ -80,6 +80,12 @@ def load_table(spec: str, device: torch.device) -> dict[tuple[int, int], tuple[G
         return parse_table(json.load(f))
 
 
+def _can_run_cublaslt(layer: torch.nn.Module) -> bool:
+    from tandem.kernels import cublaslt
+
+    return layer.bias is None and layer.weight.is_cuda and cublaslt.available()
+
+
 def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
     """Give every plain linear layer (not the LM head) whose (N, K) is in `table` its choices
     (a layer with a bias runs cuBLAS where its shape's entry is cuBLASLt's: that path has no
@@ -92,7 +98,7 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
         if isinstance(m, (Linear, MergedLinear)) and not isinstance(m, LMHead):
             choices = table.get(tuple(m.weight.shape))
             if choices and any(isinstance(c.config, LtAlgo) for c in choices):
-                if m.bias is not None or not m.weight.is_cuda or not cublaslt.available():
+                if not _can_run_cublaslt(m):
                     choices = tuple(GemmChoice(c.max_m, None if isinstance(c.config, LtAlgo) else c.config)
                                     for c in choices)
                 else:

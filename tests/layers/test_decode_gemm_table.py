@@ -82,6 +82,28 @@ def test_cublaslt_entries_go_to_bias_free_layers_on_a_gpu_only():
         parse_table({"shapes": {"48,32": [{"max_m": 4, "backend": "cutlass", "config": {}}]}})
 
 
+def test_a_table_timed_under_another_cublaslt_warns_once(monkeypatch):
+    """Where layers take cuBLASLt entries (the GPU's branch, entered here by stubbing what it
+    asks of the device), a table measured under another cuBLASLt version warns once; under this
+    version, or for layers that take none, it stays silent."""
+    import warnings
+
+    from tandem.kernels import cublaslt
+    from tandem.layers import decode_gemm
+
+    monkeypatch.setattr(decode_gemm, "_can_run_cublaslt", lambda layer: True)
+    monkeypatch.setattr(cublaslt, "prepare", lambda device: None)
+    monkeypatch.setattr(cublaslt, "version", lambda: 130100)
+    raw = {"shapes": {"48,32": [{"max_m": 256, "backend": "cublaslt", "config": LT}]}}
+    for version, warns in ((120900, 1), (130100, 0)):
+        layers = torch.nn.ModuleList([Linear(32, 48, bias=False), Linear(32, 48, bias=False)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert apply_decode_gemm(layers, parse_table({**raw, "cublaslt_version": version})) == 2
+        assert len([w for w in caught if "cuBLASLt [120900]" in str(w.message)]) == warns
+        assert pick(layers[0].decode_gemm, 100) == cublaslt.LtAlgo(**LT)
+
+
 def test_a_cublaslt_choice_off_the_gpu_is_f_linear():
     """`cublaslt.linear` runs `F.linear` where it cannot run the algorithm (here: a CPU tensor),
     so a layer holding a cuBLASLt choice is never wrong, only unaccelerated."""
