@@ -257,8 +257,10 @@ def make_table(results: list[dict], device: str, dtype: str, margin: float, base
     for entries in shapes.values():
         entries.sort(key=lambda e: e["max_m"])
     out = {"device": device, "dtype": dtype, "shapes": shapes}
-    if any(e["backend"] == "cublaslt" for entries in shapes.values() for e in entries):
-        out["cublaslt_version"] = (base or {}).get("cublaslt_version") or cublaslt.version()
+    if any(e["backend"] == "cublaslt" for e in measured.values()):  # this run's cuBLASLt
+        out["cublaslt_version"] = cublaslt.version()
+    elif any(e["backend"] == "cublaslt" for entries in shapes.values() for e in entries):
+        out["cublaslt_version"] = base.get("cublaslt_version")  # only the earlier table's entries
     return out
 
 

@@ -113,6 +113,15 @@ def version() -> int | None:
     return int(lib.cublasLtGetVersion()) if lib is not None else None
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _attr(attr: int, value: int = 0) -> tuple[ctypes._SimpleCData, int]:
+    """A config attribute's value as cuBLASLt reads it, and its size (uint16 or uint32)."""
+    return (ctypes.c_uint16(value), 2) if attr in _UINT16_ATTRS else (ctypes.c_uint32(value), 4)
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise RuntimeError(f"cuBLASLt {what} failed (cublasStatus_t {status})")
@@ -134,9 +143,8 @@ def _workspace(device_index: int) -> torch.Tensor:
 def prepare(device: torch.device) -> None:
     """Create the device's handle and workspace now: before any CUDA graph capture, so the
     workspace is ordinary memory rather than part of a graph's pool."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    _handle(index)
-    _workspace(index)
+    _handle(_index(device))
+    _workspace(_index(device))
 
 
 class _Plan:
@@ -181,8 +189,7 @@ class _Plan:
                                       ctypes.byref(a)) != 0:
             return None
         for attr, value in zip(_CONFIG_ATTRS, astuple(algo)[1:]):
-            size = 2 if attr in _UINT16_ATTRS else 4
-            v = (ctypes.c_uint16 if size == 2 else ctypes.c_uint32)(value)
+            v, size = _attr(attr, value)
             if lib.cublasLtMatmulAlgoConfigSetAttribute(ctypes.byref(a), attr, ctypes.byref(v), size) != 0:
                 return None
         result = _Heuristic()
@@ -205,8 +212,7 @@ def describe(algo: _Algo) -> LtAlgo:
     lib = _lib()
     values = []
     for attr in (0, *_CONFIG_ATTRS):
-        size = 2 if attr in _UINT16_ATTRS else 4
-        v = (ctypes.c_uint16 if size == 2 else ctypes.c_uint32)(0)
+        v, size = _attr(attr)
         written = ctypes.c_size_t(0)
         _check(lib.cublasLtMatmulAlgoConfigGetAttribute(ctypes.byref(algo), attr, ctypes.byref(v), size,
                                                         ctypes.byref(written)), "config attribute")
@@ -220,16 +226,19 @@ def _plan(device_index: int, m: int, n: int, k: int, dtype: torch.dtype) -> _Pla
 
 
 @functools.cache
-def _built(device_index: int, m: int, n: int, k: int, dtype: torch.dtype, algo: LtAlgo) -> _Algo | None:
-    return _plan(device_index, m, n, k, dtype).build(algo, dtype)
+def _built(device_index: int, m: int, n: int, k: int, dtype: torch.dtype,
+           algo: LtAlgo) -> tuple[_Plan, _Algo] | None:
+    """The shape's plan and `algo` built for it, or None where this cuBLASLt rejects it."""
+    plan = _plan(device_index, m, n, k, dtype)
+    built = plan.build(algo, dtype)
+    return (plan, built) if built is not None else None
 
 
 def heuristic_algos(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device,
                     count: int = 8) -> list[LtAlgo]:
     """The first `count` algorithms cuBLASLt's heuristic proposes for x [m, k] @ weight [n, k].T
     (its first is the one `F.linear` runs): the candidates `tandem.bench.gemm` times."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return [describe(a) for a in _plan(index, m, n, k, dtype).heuristics(count)]
+    return [describe(a) for a in _plan(_index(device), m, n, k, dtype).heuristics(count)]
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -245,10 +254,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, algo: LtAlgo) -> torch.Tensor:
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    built = _built(index, m, n, k, x.dtype, algo) if m > 0 else None
+    built = _built(_index(x.device), m, n, k, x.dtype, algo) if m > 0 else None
     if built is None:
         return F.linear(x, weight)
+    plan, struct = built
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _plan(index, m, n, k, x.dtype).run(built, x2, weight, y)
+    plan.run(struct, x2, weight, y)
     return y.view(*x.shape[:-1], n)

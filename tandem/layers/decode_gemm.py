@@ -93,27 +93,24 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
     from tandem.kernels import cublaslt
     from tandem.layers.linear import Linear, LMHead, MergedLinear
 
-    count, warned = 0, False
+    count, measured_with = 0, set()  # the cuBLASLt versions of the entries layers took
     for m in model.modules():
         if isinstance(m, (Linear, MergedLinear)) and not isinstance(m, LMHead):
-            choices = table.get(tuple(m.weight.shape))
-            if choices and any(isinstance(c.config, LtAlgo) for c in choices):
-                if not _can_run_cublaslt(m):
-                    choices = tuple(GemmChoice(c.max_m, None if isinstance(c.config, LtAlgo) else c.config)
-                                    for c in choices)
-                else:
-                    cublaslt.prepare(m.weight.device)
-                    stale = {c.measured_with for c in choices if isinstance(c.config, LtAlgo)}
-                    stale.discard(cublaslt.version())
-                    if stale and not warned:  # still right (each config is checked), maybe slower
-                        warned = True
-                        warnings.warn(f"decode GEMM table: its cuBLASLt algorithms were measured "
-                                      f"with cuBLASLt {sorted(stale, key=str)}, this is "
-                                      f"{cublaslt.version()}; remeasure with `python -m "
-                                      "tandem.bench.gemm --table-out FILE`", stacklevel=2)
-            if choices and any(c.config is not None for c in choices):
+            choices = table.get(tuple(m.weight.shape)) or ()
+            lt = [c for c in choices if isinstance(c.config, LtAlgo)]
+            if lt and _can_run_cublaslt(m):
+                cublaslt.prepare(m.weight.device)
+                measured_with |= {c.measured_with for c in lt}
+            elif lt:
+                choices = tuple(GemmChoice(c.max_m, None) if c in lt else c for c in choices)
+            if any(c.config is not None for c in choices):
                 m.decode_gemm = choices
                 count += 1
+    stale = measured_with - {cublaslt.version()}
+    if stale:  # still right (each config is checked before use), maybe slower
+        warnings.warn(f"decode GEMM table: its cuBLASLt algorithms were measured with cuBLASLt "
+                      f"{sorted(stale, key=str)}, this is {cublaslt.version()}; remeasure with "
+                      "`python -m tandem.bench.gemm --table-out FILE`", stacklevel=2)
     return count
 
 
