@@ -11,13 +11,16 @@ kernels), and the fused `rotary_store_decode_attention` (one). `--baseline` load
 decode_attention module from a file (e.g. an older version, from `git show`) and times it beside
 the current one (with `--rotary`, its fused step too); `--sweep` also tries a grid of launch
 configurations at every `--splits` count (with `--rotary`, for the fused kernel as well: the one
-the engine runs). Prefill reports TFLOP/s of the causal attention matmuls. Ends with one line of
+the engine runs). Where the keys are split, the default config is also timed merging its splits
+the other way (`DecodeConfig.fused_merge`: in the attention kernel or by a second one). Prefill
+reports TFLOP/s of the causal attention matmuls. Ends with one line of
 JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import json
@@ -179,6 +182,15 @@ def sweep(bench: "DecodeBench", fn, label: str, args) -> tuple[list, list]:
     return ok[:10] + [r for r in swept if "error" in r], swept
 
 
+def merge_variants(bench: "DecodeBench", fn, prefix: str, cfg, default_splits: int, args) -> list:
+    """The default config at the default and every --splits count above one, with the other
+    way of merging splits (`DecodeConfig.fused_merge`) than the default's."""
+    other = dataclasses.replace(cfg, fused_merge=not cfg.fused_merge)
+    label = prefix + ("merge in kernel" if other.fused_merge else "merge kernel")
+    counts = sorted({default_splits, *args.splits} - {1})
+    return [bench.run(fn, label, num_splits=n, config=other) for n in counts]
+
+
 def bench_prefill(args, prompt_len, num_prompts):
     dtype = getattr(torch, args.dtype)
     k_cache, v_cache, block_tables = paged_cache(
@@ -200,16 +212,16 @@ def bench_prefill(args, prompt_len, num_prompts):
 
 
 def print_decode(rows: list[dict]) -> None:
-    print(f"{'kernel':<16}{'ctx':>6}{'splits':>8}  {'config (heads_kv/block_n/warps/stages)':<40}"
+    print(f"{'kernel':<20}{'ctx':>6}{'splits':>8}  {'config (heads_kv/block_n/warps/stages/merge)':<46}"
           f"{'us':>9}{'GB/s':>8}{'hbm%':>7}")
     for r in rows:
         cfg = r.get("config")
-        cfg = "/".join(str(v) for v in cfg.values()) if cfg else "default"
+        cfg = "/".join(str(int(v)) for v in cfg.values()) if cfg else "default"
         splits = r.get("num_splits") or f"{r.get('default_splits', '')}*"
         if "error" in r:
-            print(f"{r['kernel']:<16}{r['context']:>6}{splits:>8}  {cfg:<40}  {r['error']}")
+            print(f"{r['kernel']:<20}{r['context']:>6}{splits:>8}  {cfg:<46}  {r['error']}")
             continue
-        print(f"{r['kernel']:<16}{r['context']:>6}{splits:>8}  {cfg:<40}"
+        print(f"{r['kernel']:<20}{r['context']:>6}{splits:>8}  {cfg:<46}"
               f"{r['us']:>9.1f}{r['GB/s']:>8.0f}{r['hbm%']:>7.0f}")
 
 
@@ -262,6 +274,7 @@ def main() -> None:
                      "default_splits": default_splits})
         for splits in args.splits:
             rows.append(bench.run(current.decode_attention, "current", num_splits=splits))
+        rows += merge_variants(bench, current.decode_attention, "", default_cfg, default_splits, args)
         if args.rotary:
             plain_sets = bench.sets
             bench.sets = [with_new_token(s, args) for s in plain_sets]
@@ -273,6 +286,8 @@ def main() -> None:
             rows.append({**bench.run(two_kernels, "rot+store,attn"), "default_splits": default_splits})
             rows.append({**bench.run(current.rotary_store_decode_attention, "fused"),
                          "default_splits": default_splits})
+            rows += merge_variants(bench, current.rotary_store_decode_attention, "fused, ",
+                                   default_cfg, default_splits, args)
             if baseline is not None and hasattr(baseline, "rotary_store_decode_attention"):
                 rows.append(bench.run(baseline.rotary_store_decode_attention, "baseline fused"))
             if args.sweep:  # the engine's kernel: its programs also rotate q and store the token

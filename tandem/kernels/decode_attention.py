@@ -10,9 +10,11 @@ tl.dot scores every query head against its own kv head (the zeros cost tensor-co
 decode has to spare; memory traffic is what counts).
 
 With one split the program writes the final output. With several it writes a partial output and
-its log-sum-exp, and a second kernel merges the splits. The split count depends on shapes only,
-never on device values, so the launch can be captured in a CUDA graph and replayed with any
-seq_lens. It is a runtime argument: a new split count needs no recompilation.
+its log-sum-exp, and the splits are merged: by a second kernel, or (`DecodeConfig.fused_merge`)
+by the last of a sequence's splits to finish, in split order, as the decode GEMM's split-K sums
+(a per-(sequence, kv block) counter says which is last): no second launch. The split count
+depends on shapes only, never on device values, so the launch can be captured in a CUDA graph and
+replayed with any seq_lens. It is a runtime argument: a new split count needs no recompilation.
 
 `rotary_store_decode_attention` is the attention layer's decode step in one launch: each program
 rotates its query heads in registers, and the program whose keys end at the step's new token
@@ -23,6 +25,7 @@ back (instead of `rotary.apply_rotary_and_store_kv`, then this kernel: one launc
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +34,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from tandem.kernels import pdl
+from tandem.kernels.counters import MAX_COUNTERS, counters
 from tandem.kernels.rotary import check_rotary_args
 
 LOG2E = 1.4426950408889634
+# Whether `decode_config` merges splits in the attention kernel (`DecodeConfig.fused_merge`):
+# off until measured on the GPU; `TANDEM_FUSED_SPLIT_MERGE=1` turns it on (an A/B switch, read
+# once at import, as `tandem.kernels.pdl`'s).
+FUSED_MERGE = os.environ.get("TANDEM_FUSED_SPLIT_MERGE", "0") == "1"
 
 
 @triton.jit
@@ -52,18 +60,43 @@ def _rope(x, x_partner, cos, signed_sin):
     return (a + b).to(dtype)
 
 
+@triton.jit
+def _merge_splits(part_ptr, lse_rows, out_ptr, part_offs, out_offs, own, row_mask, num_splits,
+                  stride_os, BLOCK_S: tl.constexpr):
+    """The splits' partial outputs [M, C] (at part_offs + s * stride_os) weighted by their
+    log2-sum-exps (at lse_rows + s) into the final output, in split order; what `_decode_merge_kernel`
+    computes for each head, here for a program's heads at once. Read from L2 (.cg), where the
+    other splits' programs wrote them."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_rows[:, None] + offs_s[None, :],
+                  mask=row_mask[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
+                  cache_modifier=".cg")  # [M, S]
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no keys at all (seq_len 0): output zeros
+    w = tl.exp2(lse - m[:, None])
+    denom = tl.sum(w, 1)
+    acc = tl.zeros(own.shape, dtype=tl.float32)
+    for split in range(num_splits):
+        w_split = tl.sum(tl.where(offs_s[None, :] == split, w, 0.0), 1)
+        part = tl.load(part_ptr + part_offs + split * stride_os, mask=own, other=0.0,
+                       cache_modifier=".cg")
+        acc += part * w_split[:, None]
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=own)
+
+
 # One compiled variant for every split count and block-table width (eager steps size the table
 # by their longest sequence; a graph's table is always full width).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
-    out_ptr, lse_ptr,
+    out_ptr, lse_ptr, final_ptr, count_ptr,
     new_k_ptr, new_v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_fb, stride_fh,
     stride_nkb, stride_nkh, stride_nvb, stride_nvh, stride_cos,
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,
@@ -75,6 +108,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTIAL: tl.constexpr,
+    MERGE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -167,8 +202,18 @@ def _decode_kernel(
     out_offs = seq64 * stride_ob + head[:, None] * stride_oh + col_d[None, :]
     if PARTIAL:
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + seq64 * stride_lb + head * stride_lh + split, lse, mask=row_mask)
+        lse_rows = lse_ptr + seq64 * stride_lb + head * stride_lh
+        tl.store(lse_rows + split, lse, mask=row_mask)
         tl.store(out_ptr + out_offs + split * stride_os, out, mask=own)
+        if MERGE:  # the last of this sequence's splits to finish merges them all
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            count = count_ptr + seq64 * tl.num_programs(0) + kv_block
+            arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+            if arrived == num_splits - 1:
+                final_offs = seq64 * stride_fb + head[:, None] * stride_fh + col_d[None, :]
+                _merge_splits(out_ptr, lse_rows, final_ptr, out_offs, final_offs, own, row_mask,
+                              num_splits, stride_os, BLOCK_S)
+                tl.atomic_xchg(count, 0)  # zero again for the next launch
     else:
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=own)
 
@@ -219,6 +264,7 @@ class DecodeConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    fused_merge: bool = False  # splits merged by their last program (True) or a second kernel
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int) -> int:
@@ -257,10 +303,10 @@ def decode_config(
         programs = batch * num_kv_heads // heads_kv
         sms = _num_sms(device if device is not None else torch.device("cpu"))  # (a CPU: the H200's)
         if programs > 2 * sms:
-            return DecodeConfig(heads_kv=2, block_n=32, num_warps=4, num_stages=4)
+            return DecodeConfig(2, 32, num_warps=4, num_stages=4, fused_merge=FUSED_MERGE)
         if programs > sms:
-            return DecodeConfig(heads_kv=1, block_n=32, num_warps=4, num_stages=5)
-    return DecodeConfig(heads_kv=heads_kv, block_n=block_n, num_warps=4, num_stages=5)
+            return DecodeConfig(1, 32, num_warps=4, num_stages=5, fused_merge=FUSED_MERGE)
+    return DecodeConfig(heads_kv, block_n, num_warps=4, num_stages=5, fused_merge=FUSED_MERGE)
 
 
 def default_num_splits(
@@ -353,6 +399,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
     block_d = triton.next_power_of_2(head_dim)
     fp32 = q_BNH.dtype == torch.float32
     partial = num_splits > 1
+    merge_in_kernel = partial and cfg.fused_merge
     if partial:
         mid_out = torch.empty(batch, num_heads, num_splits, head_dim,
                               dtype=torch.float32, device=q_BNH.device)
@@ -362,6 +409,13 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
     else:
         mid_lse = out  # unused
         dst, dst_split_stride = out, 0
+    if merge_in_kernel:
+        kv_blocks = num_kv_heads // cfg.heads_kv
+        assert batch * kv_blocks <= MAX_COUNTERS, (
+            f"{batch} sequences x {kv_blocks} kv blocks > {MAX_COUNTERS} split counters")
+        seq_counts = counters(q_BNH.device, "decode_attention")
+    else:
+        seq_counts = seq_lens  # unused
     if new is None:  # placeholders the kernel never reads
         new_k, new_v, positions, cos_cache, sin_cache, slot_mapping = (q_BNH,) * 3 + (out,) * 3
         new_strides = (0, 0, 0, 0, 0)
@@ -372,7 +426,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
     launch_pdl = pdl.enabled(q_BNH)
     _decode_kernel[grid](
         q_BNH, k_cache, v_cache, seq_lens, block_tables,
-        dst, mid_lse,
+        dst, mid_lse, out, seq_counts,
         new_k, new_v, positions, cos_cache, sin_cache, slot_mapping,
         scale * LOG2E, num_splits,
         q_BNH.stride(0), q_BNH.stride(1),
@@ -380,7 +434,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         dst.stride(0), dst.stride(1), dst_split_stride,
-        mid_lse.stride(0), mid_lse.stride(1),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         *new_strides,
         ROTARY=new is not None,
         HALF=head_dim // 2,
@@ -392,6 +446,9 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         BLOCK_N=cfg.block_n,
         BLOCK_D=block_d,
         PARTIAL=partial,
+        MERGE=merge_in_kernel,
+        # one variant up to 16 splits (`default_num_splits`' most); unused without the merge
+        BLOCK_S=max(16, triton.next_power_of_2(num_splits)) if merge_in_kernel else 1,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         PDL=launch_pdl,
         num_warps=cfg.num_warps,
@@ -402,7 +459,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         # on the H200), and both variants attend with the same arithmetic
         enable_fp_fusion=False,
     )
-    if partial:
+    if partial and not merge_in_kernel:
         _decode_merge_kernel[(batch, num_heads)](
             mid_out, mid_lse, out, num_splits,
             mid_out.stride(0), mid_out.stride(1), mid_out.stride(2),

@@ -9,8 +9,8 @@ No second kernel, and no atomics on the data: the sum's order is fixed, so a con
 same bits on every run (cuBLAS's split-K runs a separate reduction kernel after the GEMM).
 
 Programs that share a weight tile are launched next to each other (the M tiles of one N tile),
-so the weight is read from HBM once and from L2 after. Counters are one int32 buffer per device,
-zero outside a launch (each kernel resets what it used), so a CUDA graph replays it as is.
+so the weight is read from HBM once and from L2 after. The counters (`tandem.kernels.counters`)
+are zero outside a launch (each kernel resets what it used), so a CUDA graph replays it as is.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from tandem.kernels import pdl
+from tandem.kernels.counters import MAX_COUNTERS, counters
 from tandem.kernels.decode_gemm_ref import linear_ref  # noqa: F401 (the reference)
 
-MAX_TILES = 1 << 16  # counters per device: output tiles a split-K launch may have
 
 
 @dataclass(frozen=True)
@@ -110,17 +110,6 @@ def _gemm_kernel(
         _epilogue(acc, bias_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's split-K counters, all zero between launches. Made on first use, which the
-    engine's warm-up step reaches before any graph is captured."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -161,14 +150,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k_per_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     split_k = triton.cdiv(K, k_per_split)
     if split_k > 1:
-        assert tiles <= MAX_TILES, f"{tiles} output tiles > {MAX_TILES} split-K counters"
+        assert tiles <= MAX_COUNTERS, f"{tiles} output tiles > {MAX_COUNTERS} split-K counters"
         ws = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)
-        counters = _counters(x.device)
+        tile_counts = counters(x.device, "decode_gemm")
     else:
-        ws = counters = out  # unused
+        ws = tile_counts = out  # unused
     launch_pdl = pdl.enabled(x2)
     _gemm_kernel[(tiles, split_k)](
-        x2, weight, bias if bias is not None else weight, out, ws, counters,
+        x2, weight, bias if bias is not None else weight, out, ws, tile_counts,
         M, N, K, k_per_split, split_k,
         x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,

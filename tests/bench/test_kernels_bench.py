@@ -5,7 +5,7 @@ import argparse
 import inspect
 import sys
 
-from tandem.bench.kernels import load_module, sweep, sweep_configs
+from tandem.bench.kernels import load_module, merge_variants, sweep, sweep_configs
 from tandem.kernels import decode_attention
 
 
@@ -41,3 +41,24 @@ def test_sweep_times_every_config_at_every_split_count():
     timed = [r for r in shown if "us" in r]
     assert [r["us"] for r in timed] == sorted(r["us"] for r in swept if "us" in r)[:10]
     assert sum("error" in r for r in shown) == sum("error" in r for r in swept) > 0
+
+
+def test_merge_variants_time_the_default_config_merged_the_other_way():
+    """Where the keys are split (the default count and every `--splits` count above one), the
+    default config again with `fused_merge` flipped; one split has nothing to merge."""
+    calls = []
+
+    class FakeBench:
+        def run(self, fn, label, num_splits, config):
+            calls.append((label, num_splits, config))
+            return {"kernel": label, "us": 1.0}
+
+    cfg = decode_attention.DecodeConfig(2, 32, 4, 5)
+    args = argparse.Namespace(splits=[1, 2, 8])
+    merge_variants(FakeBench(), None, "fused, ", cfg, 4, args)
+    assert [(label, n) for label, n, _ in calls] == [("fused, merge in kernel", n) for n in (2, 4, 8)]
+    assert all(c == decode_attention.DecodeConfig(2, 32, 4, 5, fused_merge=True) for *_, c in calls)
+    calls.clear()
+    merge_variants(FakeBench(), None, "", decode_attention.DecodeConfig(2, 32, 4, 5, True), 1, args)
+    assert [(label, n, c.fused_merge) for label, n, c in calls] == [("merge kernel", 2, False),
+                                                                    ("merge kernel", 8, False)]

@@ -184,13 +184,19 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir):
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir, fused_merge, monkeypatch):
     """The embedded default in bf16 on the GPU (Triton kernels, CUDA graphs) against HF's bf16
     forward, its logits taken from the fp32 accumulator as the engine's lm_head returns them: fed
     the engine's own greedy tokens, HF picks the same token, or one within a near-tie of it, at
     >= 95% of the first 32 positions of every prompt taken together (a divergence after a
-    near-tie does not cascade). 2026-12-01, H200: 182/192 exact."""
+    near-tie does not cascade). 2026-12-01, H200: 182/192 exact. Six rows split their keys: both
+    ways of merging the splits (`TANDEM_FUSED_SPLIT_MERGE`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tandem.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "FUSED_MERGE", fused_merge)
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()

@@ -332,3 +332,111 @@ def test_batch_invariant_decode_keeps_one_config_at_every_batch(device, paged_kv
     assert decode_config(2, 128, torch.float16, 134, torch.device(device)) != decode_config(2, 128, torch.float16)
     assert seen == [decode_config(2, 128, torch.float16)] * 2
     assert torch.equal(full[:1], alone)
+
+
+def apply_rotary_for(c):
+    """The case's q and k rotated at its positions (the torch reference)."""
+    from tandem.kernels.rotary_ref import apply_rotary_ref
+
+    return apply_rotary_ref(c["positions"], c["q_BNH"], c["k_BKH"], c["cos_cache"], c["sin_cache"])
+
+
+def merged_in_kernel(config: DecodeConfig) -> DecodeConfig:
+    from dataclasses import replace
+
+    return replace(config, fused_merge=True)
+
+
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(2, 6, 128), (4, 2, 64), (1, 3, 80)])
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+@pytest.mark.parametrize("heads_kv", [1, 2])
+def test_fused_merge_matches_the_merge_kernel(num_kv_heads, group, head_dim, num_splits, heads_kv,
+                                              device, paged_kv, close):
+    """The last split of each (sequence, kv block) merges them in the attention kernel: the merge
+    kernel's output (the sum in split order against its reduction tree: within 2 ulps of fp32),
+    the reference's within tolerance; more splits than keys and a seq_len-0 padding row (zeros)
+    included; the counters are zero again after the launch."""
+    from tandem.kernels.counters import counters
+
+    if num_kv_heads % heads_kv:
+        pytest.skip("heads_kv must divide the kv heads")
+    seq_lens = [1, 7, 33, 0, 100, 16]
+    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
+        seq_lens, num_kv_heads, group, head_dim, 16, torch.float32, device, paged_kv
+    )
+    separate = DecodeConfig(heads_kv, 16, 4, 2)
+    scale = head_dim**-0.5
+    want = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, scale, num_splits, separate)
+    out = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, scale, num_splits,
+                           merged_in_kernel(separate))
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=2.5e-7)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    close(out, reference(q, k_cache, v_cache, seq_lens, block_tables, scale))
+    assert int(counters(q.device, "decode_attention").abs().sum()) == 0
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fused_merge_in_the_rotary_kernel(num_splits, device, paged_kv):
+    """The layer's one-launch decode step with its splits merged in the kernel: the two-kernel
+    path's cache bit for bit and its output within fp32 rounding (one split: nothing to merge,
+    the same bits)."""
+    from tandem.kernels.decode_attention import rotary_store_decode_attention
+
+    c = fused_case([1, 7, 33, 0, 100, 16], 2, 6, 128, 16, torch.float32, device, paged_kv)
+    want, want_k, want_v = two_kernel_path(c, num_splits)
+    cfg = decode_config(2, 128, torch.float32, 6, torch.device(device))  # the two-kernel path's
+    out = rotary_store_decode_attention(**c, num_splits=num_splits, config=merged_in_kernel(cfg))
+    assert torch.equal(c["k_cache"].nan_to_num(7.0), want_k.nan_to_num(7.0))
+    assert torch.equal(c["v_cache"].nan_to_num(7.0), want_v.nan_to_num(7.0))
+    if num_splits == 1:
+        assert torch.equal(out, want)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=2.5e-7)
+
+
+def test_decode_config_merges_in_kernel_only_when_switched_on(monkeypatch):
+    """`TANDEM_FUSED_SPLIT_MERGE=1` (read at import) gives every default config the fused merge;
+    unset, none has it."""
+    from tandem.kernels import decode_attention as module
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    shapes = [(2, 128, bf16, 256, cpu), (4, 128, bf16, 256, cpu), (2, 128, bf16, 64, cpu), (8, 64, bf16)]
+    monkeypatch.setattr(module, "FUSED_MERGE", False)
+    assert not any(decode_config(*s).fused_merge for s in shapes)
+    monkeypatch.setattr(module, "FUSED_MERGE", True)
+    assert all(decode_config(*s).fused_merge for s in shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_heads,group,batch", [(2, 6, 1), (2, 6, 16), (2, 6, 100), (4, 7, 33)])
+def test_fused_merge_bf16_in_a_cuda_graph(num_kv_heads, group, batch, paged_kv, close):
+    """bf16 on the GPU through the engine's kernel, captured once and replayed with new lengths:
+    the merge-kernel path's output within one bf16 rounding, the cache bit for bit, the reference
+    within tolerance, the counters zero after each replay."""
+    from tandem.kernels.counters import counters
+    from tandem.kernels.decode_attention import rotary_store_decode_attention
+
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = torch.randint(1, 2000, (batch,), generator=gen).tolist()
+    c = fused_case(seq_lens, num_kv_heads, group, 128, 16, torch.bfloat16, "cuda", paged_kv)
+    cfg = decode_config(num_kv_heads, 128, torch.bfloat16, batch, torch.device("cuda"))
+    assert default_num_splits(batch, num_kv_heads, c["block_tables"].shape[1] * 16,
+                              torch.device("cuda"), cfg.heads_kv) > 1, "the case must split"
+    want, want_k, want_v = two_kernel_path(c, None)
+    fused = merged_in_kernel(cfg)
+    rotary_store_decode_attention(**c, config=fused)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rotary_store_decode_attention(**c, config=fused)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, atol=0, rtol=2**-7)
+    assert torch.equal(c["k_cache"].nan_to_num(7.0), want_k.nan_to_num(7.0))
+    assert int(counters(out.device, "decode_attention").abs().sum()) == 0
+    shorter = [max(1, n // 3) for n in seq_lens]
+    c["seq_lens"].copy_(torch.tensor(shorter, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    q_rot, _ = apply_rotary_for(c)
+    close(out, reference(q_rot, c["k_cache"], c["v_cache"], shorter, c["block_tables"], c["scale"]))
+    assert int(counters(out.device, "decode_attention").abs().sum()) == 0
