@@ -22,6 +22,9 @@ class AttentionMetadata:
     # Host copies, so the torch backend needs no device sync.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Decode steps: the sequence each row of decode attention's grid takes (int32 [B]; None: batch
+    # order). A CUDA graph's buffer, or made once a step (`TritonAttentionBackend.decode_order`).
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

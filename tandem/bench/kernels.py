@@ -12,9 +12,10 @@ decode_attention module from a file (e.g. an older version, from `git show`) and
 the current one (with `--rotary`, its fused step too); `--sweep` also tries a grid of launch
 configurations at every `--splits` count (with `--rotary`, for the fused kernel as well: the one
 the engine runs). Where the keys are split, the default config is also timed merging its splits
-the other way (`DecodeConfig.fused_merge`: in the attention kernel or by a second one). Prefill
-reports TFLOP/s of the causal attention matmuls. Ends with one line of
-JSON.
+the other way (`DecodeConfig.fused_merge`: in the attention kernel or by a second one).
+`--random-lengths --orders drawn longest snake` times the default launch with the same lengths in
+other orders of the batch (`order_lengths`). Prefill reports TFLOP/s of the causal attention
+matmuls. Ends with one line of JSON.
 """
 
 from __future__ import annotations
@@ -50,7 +51,28 @@ def paged_cache(batch, context, kv_heads, head_dim, block_size, dtype):
     return k_cache, v_cache, perm.view(batch, blocks_per_seq)
 
 
-def decode_inputs(args, context: int, seed: int) -> dict:
+ORDERS = ("drawn", "longest", "snake")
+
+
+def order_lengths(lens: list[int], order: str, programs_per_seq: int, num_sms: int) -> list[int]:
+    """The batch's lengths in `order`, for the question whether the order of sequences in the grid
+    (hence which programs share an SM) matters: "drawn" as drawn (the engine's batch order:
+    arrival), "longest" longest first, "snake" as `decode_attention.balanced_order` puts them."""
+    if order == "drawn":
+        return list(lens)
+    if order == "longest":
+        return sorted(lens, reverse=True)
+    return [lens[i] for i in current.balanced_order(lens, programs_per_seq, num_sms)]
+
+
+def programs_per_sequence(args, context: int) -> int:
+    """The default launch's programs a sequence at this batch (the cache's full block width)."""
+    max_context = -(-context // args.block_size) * args.block_size
+    return current.programs_per_sequence(args.batch, args.kv_heads, args.head_dim,
+                                         getattr(torch, args.dtype), max_context, torch.device("cuda"))
+
+
+def decode_inputs(args, context: int, seed: int, order: str = "drawn") -> dict:
     torch.manual_seed(seed)
     dtype = getattr(torch, args.dtype)
     k_cache, v_cache, block_tables = paged_cache(
@@ -59,8 +81,11 @@ def decode_inputs(args, context: int, seed: int) -> dict:
     if args.random_lengths:  # the same lengths in every cache set
         gen = torch.Generator().manual_seed(1234)
         lo = min(max(1, args.min_length), context)
-        seq_lens = torch.randint(lo, context + 1, (args.batch,), generator=gen, dtype=torch.int32)
-        seq_lens = seq_lens.cuda()
+        lens = torch.randint(lo, context + 1, (args.batch,), generator=gen).tolist()
+        if order != "drawn":
+            sms = torch.cuda.get_device_properties(0).multi_processor_count
+            lens = order_lengths(lens, order, programs_per_sequence(args, context), sms)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     else:
         seq_lens = torch.full((args.batch,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(args.batch, args.heads, args.head_dim, dtype=dtype, device="cuda")
@@ -95,13 +120,13 @@ def time_in_graph(calls, repeats: int = 5, replays: int = 10) -> float:
 class DecodeBench:
     """Cache sets for one context length, enough of them that L2 holds none between calls."""
 
-    def __init__(self, args, context: int):
-        self.args, self.context = args, context
-        first = decode_inputs(args, context, seed=0)
+    def __init__(self, args, context: int, order: str = "drawn"):
+        self.args, self.context, self.order = args, context, order
+        first = decode_inputs(args, context, seed=0, order=order)
         set_bytes = 2 * first["k_cache"].numel() * first["k_cache"].element_size()
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
         n_sets = min(8, max(2, -(-4 * l2 // set_bytes)))
-        self.sets = [first] + [decode_inputs(args, context, seed=i) for i in range(1, n_sets)]
+        self.sets = [first] + [decode_inputs(args, context, seed=i, order=order) for i in range(1, n_sets)]
         lens = first["seq_lens"].long()
         self.kv_bytes = int(2 * lens.sum() * args.kv_heads * args.head_dim
                             * first["k_cache"].element_size())
@@ -239,6 +264,10 @@ def main() -> None:
     p.add_argument("--min-length", type=int, default=1,
                    help="the shortest random length (gen-1.5b-long's decode: a prompt of 100-1024 "
                         "plus the tokens so far)")
+    p.add_argument("--orders", nargs="+", choices=ORDERS, default=["drawn"],
+                   help="with --random-lengths, also time the default launch with the batch's "
+                        "sequences in these orders (`order_lengths`): does which programs share an "
+                        "SM matter?")
     p.add_argument("--baseline", help="a decode_attention.py to time beside the current one")
     p.add_argument("--sweep", action="store_true",
                    help="also time a grid of launch configs, each at every --splits count (with "
@@ -300,6 +329,15 @@ def main() -> None:
             rows += shown
             swept_all += swept
         del bench
+        for order in [o for o in args.orders if o != "drawn"] if args.random_lengths else []:
+            ordered = DecodeBench(args, context, order)  # the same lengths, in another order
+            rows.append({**ordered.run(current.decode_attention, f"current@{order}"),
+                         "default_splits": default_splits})
+            if args.rotary:
+                ordered.sets = [with_new_token(s, args) for s in ordered.sets]
+                rows.append({**ordered.run(current.rotary_store_decode_attention, f"fused@{order}"),
+                             "default_splits": default_splits})
+            del ordered
         torch.cuda.empty_cache()
 
     print(f"{torch.cuda.get_device_name()}  {args.dtype}  batch {args.batch}  heads "

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import torch
 
+import tandem.kernels.decode_attention as decode_kernels
 from tandem.forward_context import AttentionMetadata, set_attention_metadata
+from tandem.kernels.decode_attention import launch_order
+from tandem.layers.attention import Attention
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -59,6 +62,10 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(seqs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # decode attention's order of sequences (`launch_order`), written before every replay
+        # when the graphs were captured with one (`TANDEM_BALANCED_DECODE`)
+        self.decode_order = torch.arange(self.max_bs, dtype=torch.int32, device=device)
+        self.ordered = False
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The decode graphs end at the hidden states: each graph's output stays allocated in the
         # pool, and fp32 logits per captured size would hold sum(sizes) x vocab x 4 bytes (2.4 GiB
@@ -80,6 +87,7 @@ class CUDAGraphRunner:
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], max_query_len=1,
             max_seq_len=self.block_tables.shape[1], decode_only=True,
             query_start_loc_cpu=[], seq_lens_cpu=[],
+            decode_order=self.decode_order[:bs] if self.ordered else None,
         )
 
     def _mixed_meta(self, num_tokens: int) -> AttentionMetadata:
@@ -115,6 +123,11 @@ class CUDAGraphRunner:
         self.mixed_graphs.clear()
         self.hidden.clear()
         self.pool = torch.cuda.graph_pool_handle()
+        self.ordered = decode_kernels.BALANCED_ORDER
+        if self.ordered:  # what `launch_order` needs of the attention: its cache's shape
+            k_cache = next(m for m in self.model.modules() if isinstance(m, Attention)).k_cache
+            _, block_size, kv_heads, head_dim = k_cache.shape
+            self._order_shape = (kv_heads, head_dim, k_cache.dtype, self.block_tables.shape[1] * block_size)
         # Largest activations first, so that smaller graphs reuse their pool memory.
         for num_tokens in reversed(self.mixed_sizes):
             self.mixed_graphs[num_tokens], self.hidden[num_tokens] = self._capture_one(
@@ -150,14 +163,28 @@ class CUDAGraphRunner:
         if padded_seqs > b:
             self.seq_lens[b:padded_seqs].fill_(0)
 
-    def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables) -> torch.Tensor:
-        """Copy one decode batch into the static buffers, replay, return logits [B, V]."""
+    def run(self, input_ids, positions, slot_mapping, seq_lens, block_tables,
+            seq_lens_cpu=None) -> torch.Tensor:
+        """Copy one decode batch into the static buffers, replay, return logits [B, V].
+        `seq_lens_cpu` (the lengths on the host) orders decode attention's sequences where the
+        graphs were captured to take an order (batch order without it)."""
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         self._load(input_ids, positions, slot_mapping, seq_lens, block_tables, bs, bs)
+        if self.ordered:
+            self._load_order(seq_lens_cpu, bs)
         self.graphs[bs].replay()
         self.num_replays["decode"] += 1
         return self.model.compute_logits(self.decode_hidden[bs][:n])
+
+    def _load_order(self, seq_lens_cpu, bs: int) -> None:
+        """Every replay writes its whole order (a graph of bs rows reads bs entries), from a
+        fresh pinned buffer: a window's replays are queued before the first one runs."""
+        if seq_lens_cpu is None:
+            order = torch.arange(bs, dtype=torch.int32)
+        else:
+            order = torch.from_numpy(launch_order(seq_lens_cpu, bs, *self._order_shape, self.decode_order.device))
+        self.decode_order[:bs].copy_(order.pin_memory(), non_blocking=True)
 
     def run_mixed(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                   block_tables) -> torch.Tensor:

@@ -335,7 +335,8 @@ class ModelRunner:
         decode_graph = graphs is not None and graphs.can_run(num_seqs) and not plp_rows
         if meta.decode_only and sample_rows and decode_graph:
             # (a decode-shaped step may hold a 1-token chunk of a longer prompt: no row to sample)
-            logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            logits = graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+                                meta.seq_lens_cpu)
             if rows is not None:
                 logits = logits[rows]
         else:
@@ -407,7 +408,8 @@ class ModelRunner:
             step_meta = meta if k == 0 else window.meta(meta, k)
             positions = window.positions[k]
             if replay:
-                logits = graphs.run(ids, positions, step_meta.slot_mapping, step_meta.seq_lens, step_meta.block_tables)
+                logits = graphs.run(ids, positions, step_meta.slot_mapping, step_meta.seq_lens,
+                                    step_meta.block_tables, step_meta.seq_lens_cpu)
             else:
                 with set_attention_metadata(step_meta):
                     logits = self.model.compute_logits(self.model(ids, positions))

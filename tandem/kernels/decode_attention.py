@@ -28,6 +28,7 @@ import functools
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -42,6 +43,9 @@ LOG2E = 1.4426950408889634
 # off until measured on the GPU; `TANDEM_FUSED_SPLIT_MERGE=1` turns it on (an A/B switch, read
 # once at import, as `tandem.kernels.pdl`'s).
 FUSED_MERGE = os.environ.get("TANDEM_FUSED_SPLIT_MERGE", "0") == "1"
+# Whether the engine launches decode attention's sequences in `balanced_order` (by their lengths)
+# rather than in batch order: off until measured on the GPU; `TANDEM_BALANCED_DECODE=1` turns it on.
+BALANCED_ORDER = os.environ.get("TANDEM_BALANCED_DECODE", "0") == "1"
 
 
 @triton.jit
@@ -89,7 +93,7 @@ def _merge_splits(part_ptr, lse_rows, out_ptr, part_offs, out_offs, own, row_mas
 # by their longest sequence; a graph's table is always full width).
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, seq_lens_ptr, block_tables_ptr, order_ptr,
     out_ptr, lse_ptr, final_ptr, count_ptr,
     new_k_ptr, new_v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
     qk_scale, num_splits,
@@ -108,6 +112,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PARTIAL: tl.constexpr,
+    ORDERED: tl.constexpr,
     MERGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -117,7 +122,10 @@ def _decode_kernel(
         gdc_wait()
     kv_block = tl.program_id(0)
     split = tl.program_id(1)
-    seq = tl.program_id(2)
+    if ORDERED:  # the sequence this row of programs takes (`balanced_order`)
+        seq = tl.load(order_ptr + tl.program_id(2))
+    else:
+        seq = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     # Each split takes an equal share of this sequence's keys, rounded up to whole tiles;
@@ -323,6 +331,43 @@ def default_num_splits(
     return max(1, min(want, triton.cdiv(max_context, 32), 16))
 
 
+def programs_per_sequence(batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          max_context: int, device: torch.device) -> int:
+    """A sequence's programs in the default launch (kv-head blocks x key splits)."""
+    cfg = decode_config(num_kv_heads, head_dim, dtype, batch, device)
+    splits = default_num_splits(batch, num_kv_heads, max_context, device, cfg.heads_kv)
+    return num_kv_heads // cfg.heads_kv * splits
+
+
+def balanced_order(seq_lens, programs_per_seq: int, num_sms: int) -> np.ndarray:
+    """An order of the batch's sequences for the launch grid (`order=`), from their lengths on the
+    host, so that the SMs get about the same number of keys.
+
+    A launch places its programs on the SMs in turn, a sequence's programs side by side; in batch
+    order (arrival) an SM may get several long sequences and the kernel waits on it while others
+    idle. Here the longest come first, in rounds of as many sequences as one program an SM holds
+    (num_sms // programs_per_seq), every other round reversed: the SM given the longest sequence
+    of one round gets the shortest of the next. Only where programs run: the output is the same
+    bits in any order. Returns int32 [B], a permutation of range(B)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    ranked = np.argsort(-lens, kind="stable").astype(np.int32)
+    per_round = max(1, num_sms // max(1, programs_per_seq))
+    rounds = ranked[: len(ranked) // per_round * per_round].reshape(-1, per_round)
+    rounds[1::2] = rounds[1::2, ::-1].copy()
+    return np.concatenate([rounds.ravel(), ranked[rounds.size :][::-1] if len(rounds) % 2
+                           else ranked[rounds.size :]])
+
+
+def launch_order(seq_lens, batch: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 max_context: int, device: torch.device) -> np.ndarray:
+    """`balanced_order` for the default launch of `batch` rows whose first len(seq_lens) are these
+    sequences (the rest a CUDA graph's padding: no keys, last)."""
+    lens = np.zeros(batch, dtype=np.int64)
+    lens[: len(seq_lens)] = seq_lens
+    per_seq = programs_per_sequence(batch, num_kv_heads, head_dim, dtype, max_context, device)
+    return balanced_order(lens, per_seq, _num_sms(device))
+
+
 def decode_attention(
     q_BNH: torch.Tensor,
     k_cache: torch.Tensor,
@@ -332,13 +377,17 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence, q [B, N, H], over its seq_lens[b] cached keys.
 
     `num_splits` defaults to a value computed from shapes (B, kv heads, block_tables width), so
-    the same launch is valid for every seq_lens <= block_tables.shape[1] * block_size.
+    the same launch is valid for every seq_lens <= block_tables.shape[1] * block_size. `order`
+    (int32 [B] on the device, a permutation) is the sequence each row of the grid takes
+    (`balanced_order`); it changes where programs run, not the output.
     """
-    return _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config)
+    return _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config,
+                   order=order)
 
 
 def rotary_store_decode_attention(
@@ -356,6 +405,7 @@ def rotary_store_decode_attention(
     scale: float,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`apply_rotary_and_store_kv` of this step's q, k, v, then `decode_attention`, in one launch.
 
@@ -372,16 +422,19 @@ def rotary_store_decode_attention(
     assert positions.shape == slot_mapping.shape == (batch,), (
         f"{positions.shape=} {slot_mapping.shape=}: one token per sequence ({batch})")
     new = (k_BKH, v_BKH, positions, cos_cache, sin_cache, slot_mapping)
-    return _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config, new)
+    return _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config, new,
+                   order)
 
 
 def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, config,
-            new=None) -> torch.Tensor:
+            new=None, order=None) -> torch.Tensor:
     """`new` = (k, v, positions, cos_cache, sin_cache, slot_mapping): rotate and store first."""
     batch, num_heads, head_dim = q_BNH.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape[3] == head_dim and v_cache.shape == k_cache.shape
     assert seq_lens.shape == (batch,) and block_tables.shape[0] == batch
+    assert order is None or (order.shape == (batch,) and order.dtype == torch.int32), (
+        f"order must be int32 [{batch}], got {None if order is None else (order.dtype, tuple(order.shape))}")
     assert num_heads % num_kv_heads == 0, f"{num_heads=} must be a multiple of {num_kv_heads=}"
     assert block_size & (block_size - 1) == 0, f"block_size ({block_size}) must be a power of two"
     assert q_BNH.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -425,7 +478,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
     grid = (num_kv_heads // cfg.heads_kv, num_splits, batch)
     launch_pdl = pdl.enabled(q_BNH)
     _decode_kernel[grid](
-        q_BNH, k_cache, v_cache, seq_lens, block_tables,
+        q_BNH, k_cache, v_cache, seq_lens, block_tables, order if order is not None else seq_lens,
         dst, mid_lse, out, seq_counts,
         new_k, new_v, positions, cos_cache, sin_cache, slot_mapping,
         scale * LOG2E, num_splits,
@@ -446,6 +499,7 @@ def _launch(q_BNH, k_cache, v_cache, seq_lens, block_tables, scale, num_splits, 
         BLOCK_N=cfg.block_n,
         BLOCK_D=block_d,
         PARTIAL=partial,
+        ORDERED=order is not None,
         MERGE=merge_in_kernel,
         # one variant up to 16 splits (`default_num_splits`' most); unused without the merge
         BLOCK_S=max(16, triton.next_power_of_2(num_splits)) if merge_in_kernel else 1,

@@ -11,9 +11,11 @@ import torch
 
 from tandem import batch_invariant
 from tandem.forward_context import AttentionMetadata
+import tandem.kernels.decode_attention as decode_kernels
 from tandem.kernels.decode_attention import (
     decode_attention,
     decode_config,
+    launch_order,
     rotary_store_decode_attention,
 )
 from tandem.kernels.kv_cache import store_kvcache
@@ -53,15 +55,31 @@ class TritonAttentionBackend:
                 and not (q.requires_grad or k.requires_grad or v.requires_grad)):
             return rotary_store_decode_attention(
                 positions, q, k, v, rotary_emb.cos_cache, rotary_emb.sin_cache, k_cache, v_cache,
-                meta.slot_mapping, meta.seq_lens, meta.block_tables, scale)
+                meta.slot_mapping, meta.seq_lens, meta.block_tables, scale,
+                order=self.decode_order(meta, q, k_cache))
         q = self.rotary_store_kvcache(rotary_emb, positions, q, k, v, k_cache, v_cache, meta)
         return self.forward(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def decode_order(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> torch.Tensor | None:
+        """The order of the step's sequences in decode attention's grid: a CUDA graph's buffer
+        (`CUDAGraphRunner`), or for an eager step with `TANDEM_BALANCED_DECODE`, `launch_order`
+        of its lengths on the host, made by the first layer and kept on the step's metadata."""
+        if meta.decode_order is not None or not decode_kernels.BALANCED_ORDER or not meta.seq_lens_cpu:
+            return meta.decode_order
+        order = torch.from_numpy(launch_order(
+            meta.seq_lens_cpu, q.shape[0], k_cache.shape[2], q.shape[2], q.dtype,
+            meta.block_tables.shape[1] * k_cache.shape[1], q.device))
+        meta.decode_order = (order.pin_memory().to(q.device, non_blocking=True) if q.is_cuda
+                             else order.to(q.device))
+        return meta.decode_order
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if batch_invariant.is_enabled():
             return per_query_decode_attention(q, k_cache, v_cache, meta, scale)
         if meta.decode_only:
-            return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale)
+            return decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                                    order=self.decode_order(meta, q, k_cache))
         return prefill_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
             meta.max_query_len, scale,

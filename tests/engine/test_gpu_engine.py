@@ -28,6 +28,64 @@ def test_triton_backend_matches_torch_backend_on_cpu():
     assert_no_leak(tri)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter is off where CUDA exists")
+def test_balanced_order_and_merge_in_kernel_keep_the_tokens_on_cpu(monkeypatch):
+    """With `TANDEM_BALANCED_DECODE` and `TANDEM_FUSED_SPLIT_MERGE` on, eager decode steps launch
+    attention in `launch_order` (made once a step) and merge their splits in the kernel: the
+    same tokens as the torch reference."""
+    from tandem.kernels import decode_attention as decode_kernels
+    from tandem.layers import triton_attention
+
+    made = []
+
+    def spy(seq_lens, batch, *args):
+        made.append(list(seq_lens))
+        return decode_kernels.launch_order(seq_lens, batch, *args)
+
+    monkeypatch.setattr(decode_kernels, "BALANCED_ORDER", True)
+    monkeypatch.setattr(decode_kernels, "FUSED_MERGE", True)
+    monkeypatch.setattr(triton_attention, "launch_order", spy)
+    model = make_tiny_model("qwen2")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2][:33]]
+    ref = LLM(model, block_size=16, attention_backend="torch").generate(prompts, params, use_tqdm=False)
+    tri = LLM(model, block_size=16, attention_backend="triton", device="cpu")
+    made.clear()
+    got = tri.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert made and all(len(lens) == 3 for lens in made), made  # once a decode step, not a layer
+    assert len(made) == 3  # 4 tokens: the first from the prompt step, then 3 decode steps
+    assert_no_leak(tri)
+
+
+@pytest.mark.gpu
+def test_gpu_balanced_order_and_merge_in_kernel_keep_the_tokens(monkeypatch):
+    """The graphs captured to take an order (`TANDEM_BALANCED_DECODE`) and to merge splits in
+    the attention kernel (`TANDEM_FUSED_SPLIT_MERGE`), replayed with every step's order, in
+    windows and alone: the tokens of the default engine, greedy, bf16, lengths 2 to 200."""
+    from tandem.kernels import decode_attention as decode_kernels
+
+    model = make_tiny_model("qwen2", max_position_embeddings=1024).to(device="cuda", dtype=torch.bfloat16)
+    prompts = [list(range(3 + i, 3 + i + 2 + (i * 37) % 199)) for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def tokens(**kwargs):
+        llm = LLM(model, block_size=16, gpu_memory_utilization=0.2, max_num_seqs=24, **kwargs)
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_no_leak(llm)
+        return out, llm.llm_engine.worker.model_runner.graph_runner
+
+    want, plain = tokens()
+    assert not plain.ordered
+    monkeypatch.setattr(decode_kernels, "BALANCED_ORDER", True)
+    monkeypatch.setattr(decode_kernels, "FUSED_MERGE", True)
+    got, graphs = tokens()
+    assert graphs.ordered and graphs.num_replays["decode"] > 0
+    assert got == want
+    one_step, _ = tokens(num_scheduler_steps=1)
+    assert one_step == want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gpu_greedy_equals_torch_reference_fp32(arch):
@@ -184,19 +242,20 @@ def test_no_kernel_compiles_after_start_up(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused_merge", [False, True])
-def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir, fused_merge, monkeypatch):
+@pytest.mark.parametrize("switched_on", [False, True])
+def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir, switched_on, monkeypatch):
     """The embedded default in bf16 on the GPU (Triton kernels, CUDA graphs) against HF's bf16
     forward, its logits taken from the fp32 accumulator as the engine's lm_head returns them: fed
     the engine's own greedy tokens, HF picks the same token, or one within a near-tie of it, at
     >= 95% of the first 32 positions of every prompt taken together (a divergence after a
-    near-tie does not cascade). 2026-12-01, H200: 182/192 exact. Six rows split their keys: both
-    ways of merging the splits (`TANDEM_FUSED_SPLIT_MERGE`)."""
+    near-tie does not cascade). 2026-12-01, H200: 182/192 exact. Six rows split their keys: with
+    the attention switches off and on (`TANDEM_FUSED_SPLIT_MERGE`, `TANDEM_BALANCED_DECODE`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.kernels import decode_attention
 
-    monkeypatch.setattr(decode_attention, "FUSED_MERGE", fused_merge)
+    monkeypatch.setattr(decode_attention, "FUSED_MERGE", switched_on)
+    monkeypatch.setattr(decode_attention, "BALANCED_ORDER", switched_on)
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()

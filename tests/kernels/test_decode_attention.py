@@ -1,5 +1,6 @@
 """Triton split-KV paged decode attention against `paged_attention_ref`."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -440,3 +441,47 @@ def test_fused_merge_bf16_in_a_cuda_graph(num_kv_heads, group, batch, paged_kv, 
     q_rot, _ = apply_rotary_for(c)
     close(out, reference(q_rot, c["k_cache"], c["v_cache"], shorter, c["block_tables"], c["scale"]))
     assert int(counters(out.device, "decode_attention").abs().sum()) == 0
+
+
+def test_balanced_order_deals_the_longest_first_in_snaking_rounds():
+    """Rounds of num_sms // programs_per_seq sequences, longest first, every other round reversed
+    (a last partial round too); int32, a permutation; ties keep batch order."""
+    from tandem.kernels.decode_attention import balanced_order
+
+    lens = [5, 1, 9, 3, 7, 2]
+    order = balanced_order(lens, programs_per_seq=1, num_sms=2)
+    assert order.dtype == np.int32 and order.tolist() == [2, 4, 3, 0, 5, 1]
+    assert balanced_order(lens, programs_per_seq=2, num_sms=4).tolist() == [2, 4, 3, 0, 5, 1]
+    assert balanced_order(lens[:5], 1, 2).tolist() == [2, 4, 3, 0, 1]  # rounds [9 7] [3 5], then 1
+    assert balanced_order(lens[:5], 1, 4).tolist() == [2, 4, 0, 3, 1]  # one full round, then 1
+    assert balanced_order([4, 4, 4], 1, 2).tolist() == [0, 1, 2]
+    assert balanced_order([], 4, 132).tolist() == []
+    assert balanced_order(lens, 200, 132).tolist() == [2, 4, 0, 3, 5, 1]  # one a round: longest first
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("fused_merge", [False, True])
+def test_an_order_moves_programs_not_the_output(num_splits, fused_merge, device, paged_kv):
+    """Launched in any order of the batch's sequences (`order=`), decode attention and the
+    layer's fused rotary step give the same bits and the same cache as in batch order."""
+    from tandem.kernels.decode_attention import balanced_order, rotary_store_decode_attention
+
+    seq_lens = [1, 7, 33, 0, 100, 16]
+    cfg = DecodeConfig(2, 16, 4, 2, fused_merge=fused_merge)
+    q, k_cache, v_cache, seq_lens_t, block_tables = make_case(
+        seq_lens, 2, 6, 64, 16, torch.float32, device, paged_kv
+    )
+    order = torch.tensor(balanced_order(seq_lens, 2, 4), device=device)
+    assert order.tolist() != list(range(6))
+    plain = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 0.125, num_splits, cfg)
+    ordered = decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 0.125, num_splits, cfg,
+                               order=order)
+    assert torch.equal(ordered, plain)
+    c = fused_case(seq_lens, 2, 6, 128, 16, torch.float32, device, paged_kv)
+    c2 = {**c, "k_cache": c["k_cache"].clone(), "v_cache": c["v_cache"].clone()}
+    want = rotary_store_decode_attention(**c, num_splits=num_splits, config=cfg)
+    got = rotary_store_decode_attention(**c2, num_splits=num_splits, config=cfg, order=order)
+    assert torch.equal(got, want)
+    assert torch.equal(c2["k_cache"].nan_to_num(7.0), c["k_cache"].nan_to_num(7.0))
+    with pytest.raises(AssertionError, match="order must be int32"):
+        decode_attention(q, k_cache, v_cache, seq_lens_t, block_tables, 0.125, order=order.long())
