@@ -121,7 +121,7 @@ class DecodeBench:
     """Cache sets for one context length, enough of them that L2 holds none between calls."""
 
     def __init__(self, args, context: int, order: str = "drawn"):
-        self.args, self.context, self.order = args, context, order
+        self.args, self.context = args, context
         first = decode_inputs(args, context, seed=0, order=order)
         set_bytes = 2 * first["k_cache"].numel() * first["k_cache"].element_size()
         l2 = torch.cuda.get_device_properties(0).L2_cache_size
