@@ -41,6 +41,15 @@ class GemmConfig:
 
 
 @triton.jit
+def _silu_mul(gate, up):
+    """silu(gate) * up rounded as `activation.silu_and_mul` rounds it: silu in fp32 rounded to the
+    activation dtype, then the product in fp32 rounded again."""
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (silu * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _epilogue(acc, bias_ptr, out_ptr, rm, rn, N, mask, stride_om, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:  # added to the fp32 sum, then one rounding (cuBLAS's bias epilogue does too)
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -55,6 +64,7 @@ def _gemm_kernel(
     M, N, K, k_per_split, num_splits,
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr,
+    GLU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -84,10 +94,14 @@ def _gemm_kernel(
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
+            if GLU:  # x is [gate | up], K wide each: the input is silu(gate) * up
+                x = _silu_mul(x, tl.load(x_ptrs + K))
             w = tl.load(w_ptrs)
         else:
             k_mask = (k + rk) < k_hi
             x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            if GLU:  # (masked: silu(0) * 0 = 0)
+                x = _silu_mul(x, tl.load(x_ptrs + K, mask=k_mask[None, :], other=0.0))
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
@@ -130,12 +144,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            config: GemmConfig | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, summed in fp32 and
     rounded once. Same bits on every call with the same config and M."""
-    K = x.shape[-1]
+    return _launch(x, weight, bias, config, glu=False)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        config: GemmConfig | None = None) -> torch.Tensor:
+    """`linear(activation.silu_and_mul(gate_up), weight, bias, config)` in one launch: gate_up
+    [..., 2K] (gate, then up), weight [N, K]. The GEMM's loads compute silu(gate) * up, rounded
+    as the activation kernel rounds it, so the bits are the two launches' (an MLP's down
+    projection without the activation's kernel between it and the gate/up projection)."""
+    return _launch(gate_up, weight, bias, config, glu=True)
+
+
+def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
+    K = x.shape[-1] // 2 if glu else x.shape[-1]
     N = weight.shape[0]
-    assert weight.shape == (N, K), f"weight {tuple(weight.shape)} does not take inputs of width {K}"
+    width = 2 * K if glu else K
+    assert x.shape[-1] == width and weight.shape == (N, K), (
+        f"weight {tuple(weight.shape)} does not take inputs of width {x.shape[-1]}"
+        + (" (gate and up side by side)" if glu else ""))
     assert weight.dtype == x.dtype, f"{weight.dtype=} != {x.dtype=}"
     assert bias is None or bias.shape == (N,), f"bias {tuple(bias.shape)} != ({N},)"
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
@@ -161,6 +191,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         M, N, K, k_per_split, split_k,
         x2.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
+        GLU=glu,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,

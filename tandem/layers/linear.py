@@ -6,6 +6,8 @@ Tensor parallelism replaces these from outside the model (`tandem.parallel`); ea
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,11 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
     param.data.copy_(loaded)
 
+
+# Whether an MLP's down projection takes SiLU-and-mul into its Triton decode GEMM where its table
+# picks that GEMM (`apply_down_proj`): off until measured on the GPU; `TANDEM_FUSED_SILU_DOWN=1`
+# turns it on (an A/B switch, read once at import, as `tandem.kernels.pdl`'s).
+FUSED_SILU_DOWN = os.environ.get("TANDEM_FUSED_SILU_DOWN", "0") == "1"
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.mm takes out_dtype there
 _ADDMM_OUT_DTYPE: dict[str, bool] = {}  # device type -> whether torch.addmm takes out_dtype (and out=) there
@@ -84,6 +91,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
             return triton_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def apply_down_proj(down_proj: nn.Module, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """`down_proj(act_fn(gate_up))`, an MLP's down projection after SiLU-and-mul. Where the
+    layer's decode GEMM table picks the Triton GEMM for these rows (and `FUSED_SILU_DOWN`), one
+    launch instead of two: the activation computed in the GEMM's loads, the same bits
+    (`decode_gemm.silu_and_mul_linear`)."""
+    choices = getattr(down_proj, "decode_gemm", None)
+    if (FUSED_SILU_DOWN and choices is not None and not batch_invariant.is_enabled()
+            and not (torch.is_grad_enabled() and (gate_up.requires_grad or down_proj.weight.requires_grad))):
+        from tandem.kernels.decode_gemm import GemmConfig, silu_and_mul_linear
+        from tandem.layers.decode_gemm import pick
+
+        config = pick(choices, gate_up.numel() // gate_up.shape[-1])
+        if isinstance(config, GemmConfig):
+            return silu_and_mul_linear(gate_up, down_proj.weight, down_proj.bias, config)
+    return down_proj(act_fn(gate_up))
 
 
 class Linear(nn.Linear):

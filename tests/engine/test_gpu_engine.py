@@ -249,13 +249,16 @@ def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir, switched_on, m
     the engine's own greedy tokens, HF picks the same token, or one within a near-tie of it, at
     >= 95% of the first 32 positions of every prompt taken together (a divergence after a
     near-tie does not cascade). 2026-12-01, H200: 182/192 exact. Six rows split their keys: with
-    the attention switches off and on (`TANDEM_FUSED_SPLIT_MERGE`, `TANDEM_BALANCED_DECODE`)."""
+    the thirteenth session's switches off and on (`TANDEM_FUSED_SPLIT_MERGE`,
+    `TANDEM_BALANCED_DECODE`, `TANDEM_FUSED_SILU_DOWN`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tandem.kernels import decode_attention
+    from tandem.layers import linear as linear_layers
 
     monkeypatch.setattr(decode_attention, "FUSED_MERGE", switched_on)
     monkeypatch.setattr(decode_attention, "BALANCED_ORDER", switched_on)
+    monkeypatch.setattr(linear_layers, "FUSED_SILU_DOWN", switched_on)  # the H200 table: 1-32 rows
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()

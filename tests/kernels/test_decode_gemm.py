@@ -132,3 +132,34 @@ def test_every_shipped_table_config_matches_the_reference(device):
             # both sum in fp32 and round once: apart only by the order of the sum (an ulp or so)
             torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=1e-2,
                                        msg=lambda m: f"{cfg} at M={M}: {m}")
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("M,N,K", [(1, 96, 128), (5, 200, 320), (17, 70, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_in_the_gemm_equals_the_two_kernels(config, M, N, K, dtype, device):
+    """An MLP's down projection with the activation in its loads: gate_up [M, 2K] gives the
+    bits of the activation kernel then the GEMM (same config), and the torch reference of both
+    within tolerance; K not a multiple of BLOCK_K (100: the masked loads) included."""
+    from tandem.kernels.activation import silu_and_mul
+    from tandem.kernels.activation_ref import silu_and_mul_ref
+    from tandem.kernels.decode_gemm import silu_and_mul_linear
+
+    gen = torch.Generator().manual_seed(1)
+    gate_up = (2 * torch.randn(M, 2 * K, generator=gen)).to(device, dtype)
+    _, w, b = operands(M, N, K, dtype, device)
+    out = silu_and_mul_linear(gate_up, w, b, config)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert torch.equal(out, linear(silu_and_mul(gate_up), w, b, config))
+    tol = 1e-4 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), linear_ref(silu_and_mul_ref(gate_up), w, b).float(),
+                               atol=tol, rtol=tol)
+
+
+def test_silu_and_mul_linear_checks_its_input_width(device):
+    from tandem.kernels.decode_gemm import silu_and_mul_linear
+
+    _, w, _ = operands(2, 8, 16, torch.float32, device, bias=False)
+    with pytest.raises(AssertionError, match=r"width 16 \(gate and up side by side\)"):
+        silu_and_mul_linear(torch.zeros(2, 16, device=device), w)
+    assert silu_and_mul_linear(torch.zeros(0, 32, device=device), w).shape == (0, 8)

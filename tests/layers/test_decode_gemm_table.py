@@ -55,6 +55,33 @@ def test_layers_get_their_shapes_choices_and_run_triton_only_there(monkeypatch):
     assert calls == [(48, 32)]
 
 
+def test_the_down_projection_takes_the_activation_into_its_triton_bucket(monkeypatch):
+    """`apply_down_proj` with `TANDEM_FUSED_SILU_DOWN`: one launch (the activation in the GEMM)
+    in the rows its table gives Triton, the activation then the layer everywhere else, with the
+    switch off, and under autograd."""
+    from tandem.layers import linear as linear_layers
+    from tandem.layers.activation import SiluAndMul
+
+    fused = []
+    silu_and_mul_linear = kernel.silu_and_mul_linear
+    monkeypatch.setattr(kernel, "silu_and_mul_linear",
+                        lambda *a, **k: fused.append(a[0].shape[0]) or silu_and_mul_linear(*a, **k))
+    down, act = Linear(32, 48).to(DEVICE), SiluAndMul()
+    apply_decode_gemm(torch.nn.ModuleList([down]), parse_table(table([(48, 32)])))
+    gate_up = torch.randn(9, 64, device=DEVICE)
+    monkeypatch.setattr(linear_layers, "FUSED_SILU_DOWN", True)
+    with torch.no_grad():
+        for m in (1, 4, 9):
+            out = linear_layers.apply_down_proj(down, act, gate_up[:m])
+            torch.testing.assert_close(out, down(act(gate_up[:m])), atol=1e-5, rtol=1e-5)
+    assert fused == [1, 4]  # 9 rows: cuBLAS's bucket
+    linear_layers.apply_down_proj(down, act, gate_up[:2].requires_grad_()).sum().backward()
+    monkeypatch.setattr(linear_layers, "FUSED_SILU_DOWN", False)
+    with torch.no_grad():
+        linear_layers.apply_down_proj(down, act, gate_up[:2])
+    assert fused == [1, 4]
+
+
 LT = {"algo_id": 66, "tile": 28, "split_k": 4, "reduction": 2, "swizzle": 0, "custom": 0, "stages": 35,
       "inner_shape": 0, "cluster": 3}
 
@@ -170,6 +197,16 @@ def test_engine_greedy_tokens_unchanged_with_the_triton_gemm(tmp_path, monkeypat
     assert not calls
     assert tokens(str(path)) == want
     assert calls  # decode steps (3 rows) ran the kernel
+    # the down projection with the activation in its GEMM (`TANDEM_FUSED_SILU_DOWN`)
+    from tandem.layers import linear as linear_layers
+
+    fused = []
+    silu_and_mul_linear = kernel.silu_and_mul_linear
+    monkeypatch.setattr(kernel, "silu_and_mul_linear",
+                        lambda *a, **k: fused.append(1) or silu_and_mul_linear(*a, **k))
+    monkeypatch.setattr(linear_layers, "FUSED_SILU_DOWN", True)
+    assert tokens(str(path)) == want
+    assert fused
 
 
 def test_auto_is_the_default_and_means_cublas_where_no_table_was_measured(tmp_path, monkeypatch):
