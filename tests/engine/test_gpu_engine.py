@@ -59,10 +59,10 @@ def test_balanced_order_and_merge_in_kernel_keep_the_tokens_on_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_balanced_order_and_merge_in_kernel_keep_the_tokens(monkeypatch):
-    """The graphs captured to take an order (`TANDEM_BALANCED_DECODE`) and to merge splits in
-    the attention kernel (`TANDEM_FUSED_SPLIT_MERGE`), replayed with every step's order, in
-    windows and alone: the tokens of the default engine, greedy, bf16, lengths 2 to 200."""
+def test_gpu_balanced_order_keeps_the_tokens_bit_for_bit(monkeypatch):
+    """Graphs captured to take an order (`TANDEM_BALANCED_DECODE`), replayed with each step's
+    order, in windows and alone: the default engine's tokens, greedy, bf16, lengths 2 to 200
+    (an order moves programs, not a bit of the output)."""
     from tandem.kernels import decode_attention as decode_kernels
 
     model = make_tiny_model("qwen2", max_position_embeddings=1024).to(device="cuda", dtype=torch.bfloat16)
@@ -78,12 +78,28 @@ def test_gpu_balanced_order_and_merge_in_kernel_keep_the_tokens(monkeypatch):
     want, plain = tokens()
     assert not plain.ordered
     monkeypatch.setattr(decode_kernels, "BALANCED_ORDER", True)
-    monkeypatch.setattr(decode_kernels, "FUSED_MERGE", True)
     got, graphs = tokens()
     assert graphs.ordered and graphs.num_replays["decode"] > 0
     assert got == want
     one_step, _ = tokens(num_scheduler_steps=1)
     assert one_step == want
+
+
+@pytest.mark.gpu
+def test_gpu_fused_split_merge_greedy_equals_torch_reference_fp32(monkeypatch):
+    """Splits merged in the attention kernel (`TANDEM_FUSED_SPLIT_MERGE`; its sums in another
+    order than the merge kernel's): in fp32, the torch reference's greedy tokens."""
+    from tandem.kernels import decode_attention as decode_kernels
+
+    monkeypatch.setattr(decode_kernels, "FUSED_MERGE", True)
+    model = make_tiny_model("qwen2", max_position_embeddings=1024)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(model, block_size=16, attention_backend="torch", device="cpu")
+    expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]
+    llm = LLM(make_tiny_model("qwen2", max_position_embeddings=1024).cuda(), block_size=16,
+              gpu_memory_utilization=0.2, max_num_seqs=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    assert_no_leak(llm)
 
 
 @pytest.mark.gpu
