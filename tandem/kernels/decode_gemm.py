@@ -27,7 +27,6 @@ from tandem.kernels.counters import MAX_COUNTERS, counters
 from tandem.kernels.decode_gemm_ref import linear_ref  # noqa: F401 (the reference)
 
 
-
 @dataclass(frozen=True)
 class GemmConfig:
     """One launch configuration; `default_config` picks one from shapes."""
