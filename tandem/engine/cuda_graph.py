@@ -66,6 +66,7 @@ class CUDAGraphRunner:
         # when the graphs were captured with one (`TANDEM_BALANCED_DECODE`)
         self.decode_order = torch.arange(self.max_bs, dtype=torch.int32, device=device)
         self.ordered = False
+        self._order_rows = 0  # the rows the order was last written for
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The decode graphs end at the hidden states: each graph's output stays allocated in the
         # pool, and fp32 logits per captured size would hold sum(sizes) x vocab x 4 bytes (2.4 GiB
@@ -167,7 +168,8 @@ class CUDAGraphRunner:
             seq_lens_cpu=None) -> torch.Tensor:
         """Copy one decode batch into the static buffers, replay, return logits [B, V].
         `seq_lens_cpu` (the lengths on the host) orders decode attention's sequences where the
-        graphs were captured to take an order (batch order without it)."""
+        graphs were captured to take an order; None keeps the order written last (a decode
+        window's later steps: the same batch, every length one longer, the same order)."""
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         self._load(input_ids, positions, slot_mapping, seq_lens, block_tables, bs, bs)
@@ -178,13 +180,15 @@ class CUDAGraphRunner:
         return self.model.compute_logits(self.decode_hidden[bs][:n])
 
     def _load_order(self, seq_lens_cpu, bs: int) -> None:
-        """Every replay writes its whole order (a graph of bs rows reads bs entries), from a
-        fresh pinned buffer: a window's replays are queued before the first one runs."""
+        """Writes the whole order a graph of bs rows reads, from a fresh pinned buffer (a window's
+        replays are queued before the first one runs); None keeps the last one, written for the
+        same bs."""
         if seq_lens_cpu is None:
-            order = torch.arange(bs, dtype=torch.int32)
-        else:
-            order = torch.from_numpy(launch_order(seq_lens_cpu, bs, *self._order_shape, self.decode_order.device))
+            assert self._order_rows == bs, f"no order written for {bs} rows (last: {self._order_rows})"
+            return
+        order = torch.from_numpy(launch_order(seq_lens_cpu, bs, *self._order_shape, self.decode_order.device))
         self.decode_order[:bs].copy_(order.pin_memory(), non_blocking=True)
+        self._order_rows = bs
 
     def run_mixed(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                   block_tables) -> torch.Tensor:

@@ -409,7 +409,7 @@ class ModelRunner:
             positions = window.positions[k]
             if replay:
                 logits = graphs.run(ids, positions, step_meta.slot_mapping, step_meta.seq_lens,
-                                    step_meta.block_tables, step_meta.seq_lens_cpu)
+                                    step_meta.block_tables, step_meta.seq_lens_cpu if k == 0 else None)
             else:
                 with set_attention_metadata(step_meta):
                     logits = self.model.compute_logits(self.model(ids, positions))

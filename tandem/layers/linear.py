@@ -67,6 +67,16 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
     return acc.add_(linear_fp32_out(a, b.t()))
 
 
+def _decode_choice(decode_gemm: tuple | None, x: torch.Tensor, weight: torch.Tensor):
+    """The layer's table entry for x's rows (`tandem.layers.decode_gemm.pick`), or None where no
+    decode kernel may run: no table, or autograd (the kernels have no backward)."""
+    if decode_gemm is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return None
+    from tandem.layers.decode_gemm import pick
+
+    return pick(decode_gemm, x.numel() // x.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            decode_gemm: tuple | None = None) -> torch.Tensor:
     """F.linear, or its batch-invariant kernel when that mode is on (`tandem.batch_invariant`), or
@@ -76,20 +86,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         from tandem.kernels.batch_invariant import linear as bi_linear
 
         return bi_linear(x, weight, bias)
-    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if decode_gemm is not None and not needs_grad:  # the kernel has no backward
-        from tandem.layers.decode_gemm import pick
+    config = _decode_choice(decode_gemm, x, weight)
+    if isinstance(config, LtAlgo):
+        if bias is None:  # (`apply_decode_gemm` gives biased layers none)
+            from tandem.kernels.cublaslt import linear as lt_linear
 
-        config = pick(decode_gemm, x.numel() // x.shape[-1])
-        if isinstance(config, LtAlgo):
-            if bias is None:  # (`apply_decode_gemm` gives biased layers none)
-                from tandem.kernels.cublaslt import linear as lt_linear
+            return lt_linear(x, weight, config)
+    elif config is not None:
+        from tandem.kernels.decode_gemm import linear as triton_linear
 
-                return lt_linear(x, weight, config)
-        elif config is not None:
-            from tandem.kernels.decode_gemm import linear as triton_linear
-
-            return triton_linear(x, weight, bias, config)
+        return triton_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
 
 
@@ -98,13 +104,10 @@ def apply_down_proj(down_proj: nn.Module, act_fn: nn.Module, gate_up: torch.Tens
     layer's decode GEMM table picks the Triton GEMM for these rows (and `FUSED_SILU_DOWN`), one
     launch instead of two: the activation computed in the GEMM's loads, the same bits
     (`decode_gemm.silu_and_mul_linear`)."""
-    choices = getattr(down_proj, "decode_gemm", None)
-    if (FUSED_SILU_DOWN and choices is not None and not batch_invariant.is_enabled()
-            and not (torch.is_grad_enabled() and (gate_up.requires_grad or down_proj.weight.requires_grad))):
+    if FUSED_SILU_DOWN and not batch_invariant.is_enabled():
         from tandem.kernels.decode_gemm import GemmConfig, silu_and_mul_linear
-        from tandem.layers.decode_gemm import pick
 
-        config = pick(choices, gate_up.numel() // gate_up.shape[-1])
+        config = _decode_choice(getattr(down_proj, "decode_gemm", None), gate_up, down_proj.weight)
         if isinstance(config, GemmConfig):
             return silu_and_mul_linear(gate_up, down_proj.weight, down_proj.bias, config)
     return down_proj(act_fn(gate_up))
