@@ -1,0 +1,308 @@
+// Hopper (sm_90a) GEMM for decode's few rows: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]),
+// bf16 or fp16 in, fp32 sums rounded once. Reference: tandem/kernels/decode_gemm_ref.py.
+//
+// What cuBLAS's kernels have and Triton 3.6 does not expose: thread-block clusters. The CTAs of a
+// cluster that compute the same weight columns for different rows get the weight tile by one TMA
+// multicast (each issues a share of its rows; every CTA receives all of it), and the CTAs that
+// split K reduce their fp32 partial sums through distributed shared memory: no workspace, no
+// second kernel, no counters. Each CTA: one producer warpgroup (one thread issues the TMA loads
+// into a ring of STAGES shared-memory stages) and CONSUMERS warpgroups of 64 rows each issuing
+// wgmma from those stages. Every reduction adds the splits in split order: the same bits on every
+// run of a config.
+//
+// The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS,
+// CLUSTER_M, SPLIT_K, HAS_BIAS, ELEM_BF16 and the function wgmma_tile() for BN. Grid:
+// (M tiles, N tiles, SPLIT_K), cluster (CLUSTER_M, 1, SPLIT_K). No #include: NVRTC compiles it
+// at run time.
+
+typedef unsigned short elem_t;  // the bits of a bf16 or fp16
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+struct __align__(64) TmaDesc { u64 opaque[16]; };  // a CUtensorMap, passed by value
+
+#define BK 64  // 64 elements = 128 bytes a row: one 128-byte swizzle span
+#define THREADS (128 * (CONSUMERS + 1))
+#define A_BYTES (BM * BK * 2)
+#define B_BYTES (BN * BK * 2)
+#define STAGE_BYTES (A_BYTES + B_BYTES)
+#define PIPE_BYTES (STAGES * STAGE_BYTES)
+#define RED_STRIDE (BN + 8)  // floats a partial-sum row (padded: 8-byte stores without bank conflicts)
+#define RED_BYTES (SPLIT_K > 1 ? BM * RED_STRIDE * 4 : 0)
+#define DATA_BYTES (PIPE_BYTES > RED_BYTES ? PIPE_BYTES : RED_BYTES)
+#define B_SHARE (BN / CLUSTER_M)  // weight rows each CTA of a multicast group loads
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u32 a;
+  asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ u32 cluster_ctaid_x() {
+  u32 v;
+  asm volatile("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(v));
+  return v;
+}
+
+__device__ __forceinline__ void cluster_sync() {  // every thread of every CTA in the cluster
+  asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{\n\t.reg .pred p;\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+      "selp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// One arrival on the barrier at the same offset in the cluster's CTA `cta` (this one included).
+// What it orders, the wgmma reads of a stage, wgmma.wait_group has already completed: no fence
+// (a .release.cluster arrival costs two memory barriers a k block in SASS).
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
+  asm volatile(
+      "{\n\t.reg .b32 r;\n\t"
+      "mapa.shared::cluster.u32 r, %0, %1;\n\t"
+      "mbarrier.arrive.shared::cluster.b64 _, [r];\n\t}"
+      :: "r"(bar), "r"(cta) : "memory");
+}
+
+// A [rows, 64] tile at (column k, row r) of a 2-D tensor map into this CTA's shared memory.
+__device__ __forceinline__ void tma_load(u32 dst, const TmaDesc* map, u32 bar, int k, int r) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];"
+      :: "r"(dst), "l"((u64)map), "r"(k), "r"(r), "r"(bar) : "memory");
+}
+
+// The same into every CTA of `mask`, at the same shared-memory offset, signalling each one's
+// barrier at `bar`'s offset.
+__device__ __forceinline__ void tma_load_multicast(u32 dst, const TmaDesc* map, u32 bar, int k, int r,
+                                                   unsigned short mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;"
+      :: "r"(dst), "l"((u64)map), "r"(k), "r"(r), "r"(bar), "h"(mask) : "memory");
+}
+
+// wgmma's shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, groups of
+// 8 rows 1024 bytes apart. A step of 16 elements along K adds 32 bytes to the start address.
+__device__ __forceinline__ u64 smem_desc(u32 addr) {
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+
+// A consumer warpgroup is done with a stage: one arrival on its "empty" barrier in every CTA of
+// the multicast group (each of them loads a share of the stage's weight tile into this CTA).
+__device__ __forceinline__ void release(u32 empty, u32 split) {
+  for (u32 r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(empty, split * CLUSTER_M + r);
+}
+
+__device__ __forceinline__ float elem_to_float(elem_t v) {
+  float f;
+#if ELEM_BF16
+  asm("mov.b32 %0, %1;" : "=f"(f) : "r"((u32)v << 16));
+#else
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+#endif
+  return f;
+}
+
+// Two floats rounded to the element type, `lo` in the low half (the lower address).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 v;
+#if ELEM_BF16
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
+#endif
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__ TmaDesc tmap_w,
+                 elem_t* __restrict__ out, const elem_t* __restrict__ bias, int M, int N, int K) {
+  extern __shared__ unsigned char smem_raw[];
+  const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;  // a swizzle pattern repeats every 1 KiB
+  const u32 bars = base + DATA_BYTES;  // full[STAGES], then empty[STAGES]: 8 bytes each
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;  // 0: the producer; 1..CONSUMERS: 64 rows each
+  const u32 cx = cluster_ctaid_x();  // among the CTAs sharing the weight tile
+  const u32 split = blockIdx.z;      // the cluster spans every split: its z position
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  const int num_kb = (K + BK - 1) / BK;
+  const int kb_per = (num_kb + SPLIT_K - 1) / SPLIT_K;
+  const int kb_lo = split * kb_per;
+  const int nkb = kb_lo < num_kb ? (num_kb - kb_lo < kb_per ? num_kb - kb_lo : kb_per) : 0;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(bars + 8 * s, 1);  // the producer's arrival + the stage's bytes
+      mbar_init(bars + 8 * (STAGES + s), CONSUMERS * CLUSTER_M);  // every CTA reading it is done
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Programmatic dependent launch: the previous kernel's writes are visible past this point (a
+  // no-op when not launched that way).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#if CLUSTER_M * SPLIT_K > 1
+  // every CTA's barriers are initialised (the fence above) before any multicast or remote arrival
+  asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+#else
+  __syncthreads();
+#endif
+
+  if (wg == 0) {
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_x) : "memory");
+      asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_w) : "memory");
+#if CLUSTER_M > 1
+      const unsigned short group = (unsigned short)(((1u << CLUSTER_M) - 1) << (split * CLUSTER_M));
+#endif
+      for (int i = 0; i < nkb; ++i) {
+        const int s = i % STAGES;
+        mbar_wait(bars + 8 * (STAGES + s), ((i / STAGES) & 1) ^ 1);  // free (at once the first time)
+        const u32 full = bars + 8 * s;
+        mbar_expect_tx(full, STAGE_BYTES);
+        const u32 a = base + s * STAGE_BYTES;
+        const int k = (kb_lo + i) * BK;
+        tma_load(a, &tmap_x, full, k, m0);
+#if CLUSTER_M > 1
+        tma_load_multicast(a + A_BYTES + cx * B_SHARE * BK * 2, &tmap_w, full, k, n0 + cx * B_SHARE, group);
+#else
+        tma_load(a + A_BYTES, &tmap_w, full, k, n0);
+#endif
+      }
+#if CLUSTER_M > 1 && SPLIT_K == 1
+      // Leave only once every consumer in the group has made the arrivals this CTA's barriers
+      // count (none may reach a CTA that has exited): the releases of blocks nkb - STAGES to
+      // nkb - 2 (the loop waited for those before). Split, the cluster barrier below does.
+      for (int i = nkb > STAGES ? nkb - STAGES : 0; i < nkb - 1; ++i)
+        mbar_wait(bars + 8 * (STAGES + i % STAGES), (i / STAGES) & 1);
+#endif
+    }
+    __syncwarp();
+  } else {
+    const int c = wg - 1;
+    const int lane = tid % 32, warp = (tid % 128) / 32;
+    float acc[BN / 2];
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+    for (int i = 0; i < nkb; ++i) {
+      const int s = i % STAGES;
+      mbar_wait(bars + 8 * s, (i / STAGES) & 1);
+      const u32 a = base + s * STAGE_BYTES + c * 64 * BK * 2;
+      const u32 b = base + s * STAGE_BYTES + A_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_tile(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32));
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous block's products are done: its stage may be refilled
+      if (i > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (i - 1) % STAGES), split);
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[j]) :: "memory");
+    // The last stage is not released: nothing loads into it again. (An arrival here, after the
+    // wait, makes ptxas serialize every wgmma of the loop: warning C7515.)
+
+    // acc[4j + 2h + e] holds row warp*16 + lane/4 + 8h, column 8j + 2(lane%4) + e of the
+    // warpgroup's 64 x BN tile.
+    const int row = c * 64 + warp * 16 + lane / 4;
+    const int col = 2 * (lane % 4);
+#if SPLIT_K == 1
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int n = n0 + 8 * j + col;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = m0 + row + 8 * h;
+        if (m < M && n < N) {  // N is even: n + 1 < N too
+          float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+#if HAS_BIAS
+          v0 += elem_to_float(bias[n]);
+          v1 += elem_to_float(bias[n + 1]);
+#endif
+          *reinterpret_cast<u32*>(out + (long long)m * N + n) = pack2(v0, v1);
+        }
+      }
+    }
+#else
+    // Partial sums into this CTA's shared memory, over the stages: every stage's loads have
+    // landed (each was waited for) and, after this barrier, every consumer's products are done.
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS * 128) : "memory");
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const u32 at = base + ((row + 8 * h) * RED_STRIDE + 8 * j + col) * 4;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                     :: "r"(at), "f"(acc[4 * j + 2 * h]), "f"(acc[4 * j + 2 * h + 1]) : "memory");
+      }
+    }
+#endif
+  }
+
+#if SPLIT_K > 1
+  cluster_sync();  // every split's partial sums are in its CTA's shared memory
+  // This CTA finishes rows [r_lo, r_hi) of the tile: the splits' partials, added in split order.
+  const int rows_per = (BM + SPLIT_K - 1) / SPLIT_K;
+  const int r_lo = split * rows_per;
+  const int r_hi = r_lo + rows_per < BM ? r_lo + rows_per : BM;
+  for (int it = tid; it < (r_hi - r_lo) * (BN / 4); it += THREADS) {
+    const int r = r_lo + it / (BN / 4), col = 4 * (it % (BN / 4));
+    const int m = m0 + r, n = n0 + col;
+    if (m >= M || n >= N) continue;  // N is a multiple of 4: the four columns are in
+    const u32 at = base + (r * RED_STRIDE + col) * 4;
+    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+    for (int s = 0; s < SPLIT_K; ++s) {
+      float v0, v1, v2, v3;
+      asm volatile(
+          "{\n\t.reg .b32 r;\n\t"
+          "mapa.shared::cluster.u32 r, %4, %5;\n\t"
+          "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [r];\n\t}"
+          : "=f"(v0), "=f"(v1), "=f"(v2), "=f"(v3) : "r"(at), "r"(cx + s * CLUSTER_M) : "memory");
+      s0 += v0;
+      s1 += v1;
+      s2 += v2;
+      s3 += v3;
+    }
+#if HAS_BIAS
+    s0 += elem_to_float(bias[n]);
+    s1 += elem_to_float(bias[n + 1]);
+    s2 += elem_to_float(bias[n + 2]);
+    s3 += elem_to_float(bias[n + 3]);
+#endif
+    u32* dst = reinterpret_cast<u32*>(out + (long long)m * N + n);
+    dst[0] = pack2(s0, s1);
+    dst[1] = pack2(s2, s3);
+  }
+  // No CTA leaves while another may still read its shared memory (the loads above have
+  // returned: their sums are stored).
+  asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
+#endif
+}

@@ -1,0 +1,226 @@
+"""Hopper's own GEMM for decode's few rows: `x @ W.T (+ bias)` with thread-block clusters.
+
+Reference: `decode_gemm_ref.linear_ref`. The kernel (`sm90_gemm.cu`, CUDA C++ with inline PTX,
+compiled at first use by NVRTC and launched through the driver: `tandem.kernels.cuda_driver`)
+does what cuBLAS's Hopper kernels do and Triton 3.6 cannot express: the CTAs of a cluster that
+share a weight tile get it by one TMA multicast, and the CTAs that split K add their partial sums
+through distributed shared memory (no workspace, no second kernel). Why it is here: at 256 rows
+the decode step's small GEMMs (q/k/v, o, the down projection) run at 25-47% of the H200's
+measured peak under cuBLAS (docs/benchmarks.md), and a split-K reduced in the cluster removes
+cuBLAS's separate reduction kernel. The decode GEMM table (`tandem.layers.decode_gemm`) picks it
+per shape and row bucket only where `python -m tandem.bench.gemm` measured it faster than cuBLAS
+and bit-stable; nothing runs it by default.
+
+A config names the tile (64 or 128 rows: one or two consumer warpgroups; `block_n` columns), the
+pipeline depth, how many M tiles share each weight tile by multicast (`cluster_m`) and the K
+splits (`split_k`, reduced in the cluster, in split order: the same bits on every run). Needs
+compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels import pdl
+from tandem.kernels.decode_gemm_ref import linear_ref  # noqa: F401 (the reference)
+
+BLOCK_K = 64
+MAX_SHARED = 227 * 1024  # an H100/H200 block's dynamic shared memory limit
+_SOURCE = os.path.join(os.path.dirname(__file__), "sm90_gemm.cu")
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+@dataclass(frozen=True)
+class Sm90GemmConfig:
+    """One launch configuration (`default_config` picks one from shapes)."""
+
+    block_m: int = 128  # 64 x consumer warpgroups
+    block_n: int = 128
+    stages: int = 4
+    cluster_m: int = 1  # M tiles sharing each weight tile by TMA multicast
+    split_k: int = 1  # K splits, one cluster, reduced through distributed shared memory
+
+    def __post_init__(self):
+        problems = []
+        if self.block_m not in (64, 128):
+            problems.append(f"block_m={self.block_m} (64 or 128: one or two warpgroups of 64 rows)")
+        if not (8 <= self.block_n <= 256 and self.block_n % 8 == 0):
+            problems.append(f"block_n={self.block_n} (a multiple of 8 from 8 to 256: wgmma's n)")
+        if self.cluster_m not in (1, 2, 4) or (self.block_n // self.cluster_m) % 8:
+            problems.append(f"cluster_m={self.cluster_m} (1, 2 or 4, each CTA's share of block_n "
+                            "a multiple of 8 rows)")
+        if not 1 <= self.split_k <= 16:
+            problems.append(f"split_k={self.split_k} (1 to 16)")
+        if self.cluster_m * self.split_k > 16:
+            problems.append(f"cluster_m x split_k = {self.cluster_m * self.split_k} (a cluster "
+                            "holds at most 16 CTAs)")
+        if self.stages < 2:
+            problems.append(f"stages={self.stages} (at least 2)")
+        if self.shared_bytes() > MAX_SHARED:
+            problems.append(f"shared memory {self.shared_bytes()} bytes > {MAX_SHARED} (fewer "
+                            "stages or a narrower tile)")
+        if problems:
+            raise ValueError("Sm90GemmConfig: " + "; ".join(problems))
+
+    @property
+    def consumers(self) -> int:
+        return self.block_m // 64
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def cluster_size(self) -> int:
+        return self.cluster_m * self.split_k
+
+    def shared_bytes(self) -> int:
+        """The kernel's dynamic shared memory: the stages (or, split, the partial sums laid over
+        them), the barriers and 1 KiB to align the swizzled tiles."""
+        pipe = self.stages * (self.block_m + self.block_n) * BLOCK_K * 2
+        red = self.block_m * (self.block_n + 8) * 4 if self.split_k > 1 else 0
+        return max(pipe, red) + 16 * self.stages + 1024
+
+
+def unsupported(N: int, K: int, dtype: torch.dtype) -> str | None:
+    """Why this kernel cannot multiply by an [N, K] weight of `dtype` (None: it can)."""
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} (bf16 or fp16)"
+    if N % 8:
+        return f"N={N} (a multiple of 8)"
+    if K % 8:
+        return f"K={K} (a multiple of 8: TMA's rows are 16-byte aligned)"
+    return None
+
+
+def device_supported(device: torch.device) -> bool:
+    """A Hopper GPU (sm_90: wgmma, TMA multicast, clusters) with NVRTC and the driver reachable."""
+    from tandem.kernels import cuda_driver
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return (torch.cuda.get_device_capability(device) == (9, 0) and cuda_driver.driver_available()
+            and cuda_driver.nvrtc_available())
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(M: int, N: int, K: int, sms: int = 132) -> Sm90GemmConfig:
+    """Tiles as tall as the rows allow (64 or 128), two M tiles sharing each weight tile where
+    there are two, and the widest tile of 128, 96 or 64 columns whose K splits (at most a cluster
+    of 8 CTAs, each split at least 2 blocks of K) put the most CTAs on the SMs in one wave."""
+    block_m = 64 if M <= 64 else 128
+    tiles_m = -(-M // block_m)
+    cluster_m = 2 if tiles_m % 2 == 0 else 1
+    k_blocks = -(-K // BLOCK_K)
+    best = None
+    for block_n in (128, 96, 64):
+        tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // block_n)
+        split = 1
+        while (split * 2 * cluster_m <= 8 and tiles * split * 2 <= sms
+               and k_blocks // (split * 2) >= 2):
+            split *= 2
+        busy = min(tiles * split, sms) if tiles * split <= sms else tiles * split / -(-tiles * split // sms)
+        if best is None or busy > best[0]:
+            best = (busy, Sm90GemmConfig(block_m, block_n, 4, cluster_m, split))
+    return best[1]
+
+
+def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool) -> str:
+    """The kernel's CUDA source for a config: its macros, its wgmma for `block_n`, the kernel."""
+    t = _DTYPES[dtype]
+    macros = {"BM": cfg.block_m, "BN": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
+              "CLUSTER_M": cfg.cluster_m, "SPLIT_K": cfg.split_k, "HAS_BIAS": int(has_bias),
+              "ELEM_BF16": int(dtype == torch.bfloat16)}
+    head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
+    with open(_SOURCE) as f:
+        kernel = f.read()
+    # wgmma_tile goes after the helpers (its types), before the kernel.
+    at = kernel.index('extern "C"')
+    return head + kernel[:at] + _wgmma_source(cfg.block_n, t) + "\n" + kernel[at:]
+
+
+def _wgmma_source(n: int, t: str) -> str:
+    """`wgmma_tile(acc, desc_a, desc_b)`: acc[n/2] += A (64 x 16, shared) @ B (n x 16, shared)^T,
+    both K-major; its n/2 accumulator registers spelled out, as inline PTX needs them."""
+    regs = n // 2
+    d = ", ".join(f"%{i}" for i in range(regs))
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
+    return (
+        f"__device__ __forceinline__ void wgmma_tile(float (&d)[{regs}], u64 desc_a, u64 desc_b) {{\n"
+        f'  asm volatile("{{\\n\\t.reg .pred p;\\n\\tsetp.ne.b32 p, %{regs + 2}, 0;\\n\\t"\n'
+        f'               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} "\n'
+        f'               "{{{d}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n\\t}}"\n'
+        f"               : {outs}\n"
+        f'               : "l"(desc_a), "l"(desc_b), "r"(1));\n'
+        "}\n")
+
+
+@functools.cache
+def _kernel(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool):
+    from tandem.kernels import cuda_driver
+
+    return cuda_driver.Kernel(cuda_driver.compile_cubin(source(cfg, dtype, has_bias)), "tandem_sm90_gemm")
+
+
+_MAPS: dict[tuple, object] = {}  # (address, shape, row stride, dtype, box rows) -> TensorMap
+_MAX_MAPS = 4096
+
+
+def _tensor_map(t: torch.Tensor, box_rows: int):
+    """The TMA map of a 2-D tensor's [box_rows, 64] tiles, 128-byte swizzled (wgmma's layout).
+    Cached by address and shape: a CUDA graph's inputs keep theirs, and weights never move."""
+    from tandem.kernels import cuda_driver
+
+    key = (t.data_ptr(), tuple(t.shape), t.stride(0), t.dtype, box_rows, t.device)
+    tmap = _MAPS.get(key)
+    if tmap is None:
+        if len(_MAPS) >= _MAX_MAPS:
+            _MAPS.clear()
+        tmap = _MAPS[key] = cuda_driver.tensor_map_2d(t, box_rows, BLOCK_K, swizzle_bytes=128)
+    return tmap
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           config: Sm90GemmConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, summed in fp32 and
+    rounded once (the bias added before rounding). Same bits on every call with the same config
+    and M."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    if weight.shape != (N, K) or weight.dtype != x.dtype:
+        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} does not take x "
+                         f"[..., {K}] {x.dtype}")
+    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: want ({N},) {x.dtype}")
+    why = unsupported(N, K, x.dtype)
+    if why is not None:
+        raise ValueError(f"sm90_gemm: unsupported {why}")
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1 or (x2.stride(0) * x2.element_size()) % 16 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out.view(*x.shape[:-1], N)
+    cfg = config or default_config(M, N, K, num_sms(x.device))
+    tiles_m = -(-M // cfg.block_m)
+    tiles_m = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m  # whole clusters (extra tiles: rows >= M)
+    tiles_n = -(-N // cfg.block_n)
+    args = [_tensor_map(x2, cfg.block_m), _tensor_map(weight, cfg.block_n // cfg.cluster_m), out,
+            bias if bias is not None else weight, ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
+    _kernel(cfg, x.dtype, bias is not None).launch(
+        (tiles_m, tiles_n, cfg.split_k), (cfg.threads, 1, 1), args, shared_mem=cfg.shared_bytes(),
+        cluster=(cfg.cluster_m, 1, cfg.split_k), pdl=pdl.enabled(x2), device=x.device)
+    return out.view(*x.shape[:-1], N)

@@ -1,0 +1,185 @@
+"""The Hopper cluster GEMM (`tandem.kernels.sm90_gemm`).
+
+Without a GPU: the configs' rules, the shape-based pick, and the kernel compiled for sm_90a by
+nvcc (on the development machine and CI) with its machine code read back: wgmma (HGMMA) not
+serialized, TMA loads (multicast where a cluster shares the weight), no register spills. On a
+Hopper GPU: against the fp32 product, bit-stable, under CUDA graphs.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.kernels import cuda_driver
+from tandem.kernels.sm90_gemm import (Sm90GemmConfig, _wgmma_source, default_config, linear,
+                                      source, unsupported)
+
+# Qwen2.5-1.5B's decode GEMMs (q/k/v, o, gate/up, down) and SmolLM2-135M's q/k/v: N, K
+SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (960, 576)]
+
+
+def test_config_rules_name_the_field():
+    with pytest.raises(ValueError, match="block_m=96"):
+        Sm90GemmConfig(block_m=96)
+    with pytest.raises(ValueError, match="block_n=100"):
+        Sm90GemmConfig(block_n=100)
+    with pytest.raises(ValueError, match="cluster_m=2"):
+        Sm90GemmConfig(block_n=24, cluster_m=2)  # a share of 12 rows: not a multiple of 8
+    with pytest.raises(ValueError, match="cluster_m x split_k = 32"):
+        Sm90GemmConfig(cluster_m=2, split_k=16)
+    with pytest.raises(ValueError, match="shared memory"):
+        Sm90GemmConfig(block_n=256, stages=8)
+    cfg = Sm90GemmConfig(128, 96, 4, 2, 4)
+    assert (cfg.consumers, cfg.threads, cfg.cluster_size) == (2, 384, 8)
+    # four stages of a 128-row x tile and a 96-row weight tile, 64 deep, in bf16
+    assert cfg.shared_bytes() == 4 * (128 + 96) * 64 * 2 + 16 * 4 + 1024
+
+
+def test_unsupported_shapes_say_why():
+    assert unsupported(2048, 1536, torch.bfloat16) is None
+    assert unsupported(1000, 1536, torch.float16) is None
+    assert "N=1001" in unsupported(1001, 1536, torch.bfloat16)
+    assert "K=1530" in unsupported(1536, 1530, torch.bfloat16)
+    assert "float32" in unsupported(1536, 1536, torch.float32)
+    with pytest.raises(ValueError, match="N=1001"):
+        linear(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(1001, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("M", [1, 16, 64, 65, 128, 200, 256])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_default_config_fits_one_cluster_a_tile_and_splits_k_blocks(M, N, K):
+    cfg = default_config(M, N, K, sms=132)
+    assert cfg.block_m == (64 if M <= 64 else 128)
+    tiles_m = -(-M // cfg.block_m)
+    assert cfg.cluster_m == (2 if tiles_m == 2 else 1)  # two M tiles share the weight tile
+    assert cfg.cluster_size <= 8  # portable cluster size
+    assert -(-K // 64) // cfg.split_k >= 2  # each split at least two blocks of K
+    ctas = tiles_m * -(-N // cfg.block_n) * cfg.split_k
+    assert cfg.split_k == 1 or ctas <= 132  # a split never makes a second wave
+
+
+def test_default_config_for_the_small_decode_gemms_at_256_rows():
+    """q/k/v: 32 tiles of 128 x 128, 4 splits: 128 CTAs; o and down: 96-wide tiles, 128 CTAs."""
+    assert default_config(256, 2048, 1536) == Sm90GemmConfig(128, 128, 4, 2, 4)
+    assert default_config(256, 1536, 1536) == Sm90GemmConfig(128, 96, 4, 2, 4)
+    assert default_config(256, 1536, 8960) == Sm90GemmConfig(128, 96, 4, 2, 4)
+
+
+def test_wgmma_wrapper_spells_out_its_accumulators():
+    text = _wgmma_source(96, "bf16")
+    assert "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16" in text
+    assert "float (&d)[48]" in text and '"+f"(d[47])' in text and '"+f"(d[48])' not in text
+    # the descriptors follow the 48 accumulators, then the scale-d flag
+    assert "%48, %49, p, 1, 1, 0, 0" in text and "setp.ne.b32 p, %50, 0" in text
+
+
+COMPILED = [  # config, dtype, bias
+    (Sm90GemmConfig(128, 96, 4, 2, 4), torch.bfloat16, True),  # o / down at 256 rows
+    (Sm90GemmConfig(128, 128, 4, 2, 1), torch.bfloat16, False),  # multicast, no split
+    (Sm90GemmConfig(64, 128, 4, 1, 8), torch.float16, True),  # few rows: 8 splits
+    (Sm90GemmConfig(128, 256, 3, 1, 1), torch.bfloat16, True),  # the widest tile
+    (Sm90GemmConfig(128, 64, 6, 4, 2), torch.bfloat16, False),  # four CTAs share a weight tile
+]
+
+
+@pytest.mark.skipif(not cuda_driver.nvcc_available(), reason="needs nvcc")
+@pytest.mark.parametrize("cfg,dtype,bias", COMPILED, ids=lambda v: str(v))
+def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias):
+    """The machine code nvcc makes of each variant: the k loop's four wgmmas (HGMMA, at the tile's
+    width) waited for once a k block and once at the end, not after each (ptxas serializes them
+    when other code writes their accumulators inside the pipeline: warning C7515); TMA loads,
+    multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop."""
+    src = source(cfg, dtype, bias)
+    usage = cuda_driver.ptxas_resource_usage(src)
+    assert "C7515" not in usage and "0 bytes spill stores" in usage, usage
+    sass = cuda_driver.cuobjdump_sass(cuda_driver.nvcc_cubin(src))
+    t = "BF16" if dtype == torch.bfloat16 else "F16"
+    hgmma = re.findall(rf"HGMMA\.64x{cfg.block_n}x16\.F32(\.{t})?", sass)
+    assert len(hgmma) == 4, sass.count("HGMMA")
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+    assert ("UTMALDG.2D.MULTICAST" in sass) == (cfg.cluster_m > 1)
+    assert "UTMALDG.2D " in sass  # each CTA's own x tile
+    loop = sass[sass.index("HGMMA"):sass.rindex("WARPGROUP.DEPBAR.LE gsb0, 0x0")]
+    assert "MEMBAR" not in loop
+
+
+# --- on a Hopper GPU -----------------------------------------------------------------------
+
+def hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not hopper(), reason="needs a Hopper GPU (sm_90)")
+
+
+def operands(M, N, K, dtype=torch.bfloat16, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=gen).to("cuda", dtype)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to("cuda", dtype)
+    b = torch.randn(N, generator=gen).to("cuda", dtype) if bias else None
+    return x, w, b
+
+
+def assert_close_to_fp32(y, x, w, b):
+    """Within two ulps of the output dtype of the fp32 product (+ bias): what summing in fp32 in
+    another order and rounding once can differ by."""
+    want = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+    ulp = 2.0 ** -7 if y.dtype == torch.bfloat16 else 2.0 ** -10
+    err = (y.float() - want).abs()
+    assert (err <= 2 * ulp * want.abs() + 1e-3).all(), err.max().item()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("M", [1, 7, 64, 65, 200, 256])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_default_config_matches_the_fp32_product(M, N, K):
+    x, w, b = operands(M, N, K)
+    y = linear(x, w, b)
+    assert y.shape == (M, N) and y.dtype == x.dtype
+    assert_close_to_fp32(y, x, w, b)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("cfg,dtype,bias", COMPILED, ids=lambda v: str(v))
+@pytest.mark.parametrize("M", [3, 130, 256])
+def test_each_variant_matches_and_repeats_its_bits(cfg, dtype, bias, M):
+    """Rows past M (tiles zero-filled by TMA), extra M tiles a cluster rounds up to, K tails
+    (K = 1000 is not a multiple of 64) and more splits than some shapes' K blocks."""
+    for N, K in [(1536, 1536), (960, 1000), (256, 128)]:
+        x, w, b = operands(M, N, K, dtype, bias)
+        y = linear(x, w, b, cfg)
+        assert_close_to_fp32(y, x, w, b)
+        assert torch.equal(linear(x, w, b, cfg), y)  # splits summed in split order
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_matches_cublas_within_its_own_error_and_takes_views():
+    x, w, b = operands(256, 2048, 1536)
+    y = linear(x.view(2, 128, 1536), w, b)
+    assert y.shape == (2, 128, 2048)
+    want = F.linear(x, w, b).float()
+    assert (y.view(256, 2048).float() - want).abs().max().item() <= 4 * 2.0 ** -7 * want.abs().max().item()
+    wide = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    assert_close_to_fp32(linear(wide[:, :1536], w, b), wide[:, :1536], w, b)  # a strided x
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_cuda_graph_replays_on_new_inputs():
+    x, w, b = operands(256, 1536, 8960, bias=False)
+    cfg = Sm90GemmConfig(128, 96, 4, 2, 4)
+    linear(x, w, None, cfg)  # compile and load outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = linear(x, w, None, cfg)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_close_to_fp32(y, x, w, None)
+    assert torch.equal(y, linear(x, w, None, cfg))
