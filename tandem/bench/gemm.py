@@ -1,4 +1,5 @@
-"""Decode GEMM study on one GPU: cuBLAS, cuBLASLt's other algorithms, TunableOp and the Triton decode GEMM.
+"""Decode GEMM study on one GPU: cuBLAS, cuBLASLt's other algorithms, TunableOp, the Triton decode
+GEMM and (on Hopper) the cluster GEMM.
 
     python -m tandem.bench.gemm [--models qwen2.5-1.5b qwen2.5-7b /path/to/model --rows 64 128 256
         --table-out decode_gemm_table.json --quick]
@@ -6,15 +7,16 @@
 Every linear layer of a decode step (q/k/v with its bias, o, gate/up, down; shapes from
 `tandem.models.presets`) at M rows, timed as the engine runs it: inside a CUDA graph, rotating
 over enough weight copies that L2 holds none of the weight a call reads (the input stays hot, as
-the previous kernel just wrote it). The Triton GEMM is swept over tiles and split-K counts. Each
-row reports us, TFLOP/s, GB/s of weight read and % of the roofline max(weight bytes / HBM,
-FLOPs / peak). cuBLASLt's heuristic proposes several algorithms for a shape and `F.linear` runs
-its first; the first eight are timed too (`cublaslt-algos`, bias-free shapes: that path has no
-bias). `--table-out` writes, per shape and M bucket, the fastest of cuBLAS, the best Triton config
-and the best cuBLASLt algorithm (either of the last two only where it beats cuBLAS by `--margin`
-and gives the same bits run after run): the table `EngineConfig(decode_gemm=PATH)` reads;
-`--table-merge FILE` starts it from an earlier table, so new buckets can be measured alone. Ends
-with one line of JSON.
+the previous kernel just wrote it). The Triton GEMM is swept over tiles and split-K counts; on a
+Hopper GPU the cluster GEMM (`tandem.kernels.sm90_gemm`) over tile widths, multicast groups, K
+splits and pipeline depths. Each row reports us, TFLOP/s, GB/s of weight read and % of the
+roofline max(weight bytes / HBM, FLOPs / peak). cuBLASLt's heuristic proposes several algorithms
+for a shape and `F.linear` runs its first; the first eight are timed too (`cublaslt-algos`,
+bias-free shapes: that path has no bias). `--table-out` writes, per shape and M bucket, the
+fastest of cuBLAS, the best Triton config, the best cluster GEMM config and the best cuBLASLt
+algorithm (any but cuBLAS only where it beats cuBLAS by `--margin` and gives the same bits run
+after run): the table `EngineConfig(decode_gemm=PATH)` reads; `--table-merge FILE` starts it from
+an earlier table, so new buckets can be measured alone. Ends with one line of JSON.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from tandem.bench.kernels import LAUNCH_ERRORS, time_in_graph
-from tandem.kernels import cublaslt
+from tandem.kernels import cublaslt, sm90_gemm
 from tandem.kernels.decode_gemm import GemmConfig, default_config, linear
+from tandem.kernels.sm90_gemm import Sm90GemmConfig
 
 TILES = [  # (block_m, block_n, block_k, num_warps); the 16-row tiles for M <= 32 only
     (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 64, 256, 8), (16, 128, 64, 4),
@@ -166,6 +169,57 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
     return rows
 
 
+def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[Sm90GemmConfig]:
+    """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
+    tile widths x multicast groups x K splits (a split only within one wave of CTAs, at most 8 to
+    a cluster, at least two 64-deep blocks of K each) x pipeline depths."""
+    block_m = 64 if M <= 64 else 128
+    tiles_m = -(-M // block_m)
+    configs = [sm90_gemm.default_config(M, N, K, sms)]
+    for block_n in ((64, 96, 128, 256) if quick else (64, 96, 128, 160, 192, 256)):
+        for cluster_m in ((1, 2) if tiles_m > 1 else (1,)):
+            tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // block_n)
+            for split in (1, 2, 3, 4, 6, 8):
+                if (cluster_m * split > 8 or -(-K // 64) < 2 * split
+                        or (split > 1 and tiles * split > 1.1 * sms) or tiles * split > 4 * sms):
+                    continue
+                for stages in ((4,) if quick else (3, 4, 6)):
+                    try:
+                        configs.append(Sm90GemmConfig(block_m, block_n, stages, cluster_m, split))
+                    except ValueError:  # e.g. more shared memory than a block gets
+                        continue
+    return list(dict.fromkeys(configs))
+
+
+def sweep(bench, shape, M, x, want, tol, cublas, args, label, configs, fn, config_type) -> list[dict]:
+    """Time `fn(x, w, bias, cfg)` for each config (the first is the kernel's own default), check
+    each against cuBLAS's product, then the fastest right one's bits run after run: rows
+    `label`(-default), then `label`-best with its speedup over cuBLAS."""
+    wb = bench.w_bytes
+    out, best = [], None
+    for i, cfg in enumerate(dict.fromkeys(configs)):
+        run = lambda x_, w, b, cfg=cfg: fn(x_, w, b, cfg)
+        try:
+            err = (run(x, bench.weights[0], bench.bias).float() - want).abs().max().item()
+            us = bench.time(run, x)
+        except LAUNCH_ERRORS as e:
+            out.append(row(shape, M, label, None, wb, args.hbm, args.flops,
+                           config=asdict(cfg), error=f"{type(e).__name__}"))
+            continue
+        wrong = err > tol  # e.g. a split-K fix-up that read a partial too early
+        r = row(shape, M, f"{label}-default" if i == 0 else label, us, wb, args.hbm,
+                args.flops, config=asdict(cfg), max_abs_err=err, wrong=wrong)
+        out.append(r)
+        if not wrong and (best is None or us < best["us"]):
+            best = r
+    if best is not None:
+        cfg = config_type(**best["config"])
+        same = deterministic(lambda: fn(x, bench.weights[0], bench.bias, cfg))
+        out.append({**best, "impl": f"{label}-best", "speedup_vs_cublas": cublas / best["us"],
+                    "cublas_us": cublas, "deterministic": same})
+    return out
+
+
 def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]:
     bench = ShapeBench(shape, dtype, l2)
     N, K, wb = shape["N"], shape["K"], bench.w_bytes
@@ -189,48 +243,31 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]
         if "cublaslt-algos" not in args.skip and bench.bias is None and cublaslt.available():
             out += time_lt_algos(bench, shape, M, x, want, tol, cublas, args,
                                  bucket_floor(M, rows, base))
-        if "triton" in args.skip:
-            continue
-        configs = [default_config(M, N, K, x.device)]
-        for tile in (QUICK_TILES if args.quick else TILES):
-            if tile[0] > max(64, M) or (tile[0] < 64 and M > 32):
-                continue
-            configs += [GemmConfig(*tile[:3], s, tile[3], stages)
-                        for s in split_candidates(M, N, K, tile, sms) for stages in args.stages]
-        best = None
-        for i, cfg in enumerate(dict.fromkeys(configs)):
-            fn = lambda x_, w, b, cfg=cfg: linear(x_, w, b, cfg)
-            try:
-                err = (fn(x, bench.weights[0], bench.bias).float() - want).abs().max().item()
-                us = bench.time(fn, x)
-            except LAUNCH_ERRORS as e:
-                out.append(row(shape, M, "triton", None, wb, args.hbm, args.flops,
-                               config=asdict(cfg), error=f"{type(e).__name__}"))
-                continue
-            wrong = err > tol  # e.g. a split-K fix-up that read a partial too early
-            r = row(shape, M, "triton-default" if i == 0 else "triton", us, wb, args.hbm,
-                    args.flops, config=asdict(cfg), max_abs_err=err, wrong=wrong)
-            out.append(r)
-            if not wrong and (best is None or us < best["us"]):
-                best = r
-        if best is not None:
-            cfg = GemmConfig(**best["config"])
-            same = deterministic(lambda: linear(x, bench.weights[0], bench.bias, cfg))
-            out.append({**best, "impl": "triton-best", "speedup_vs_cublas": cublas / best["us"],
-                        "cublas_us": cublas,
-                        "deterministic": same})
+        if "triton" not in args.skip:
+            configs = [default_config(M, N, K, x.device)]
+            for tile in (QUICK_TILES if args.quick else TILES):
+                if tile[0] > max(64, M) or (tile[0] < 64 and M > 32):
+                    continue
+                configs += [GemmConfig(*tile[:3], s, tile[3], stages)
+                            for s in split_candidates(M, N, K, tile, sms) for stages in args.stages]
+            out += sweep(bench, shape, M, x, want, tol, cublas, args, "triton", configs, linear,
+                         GemmConfig)
+        if ("sm90" not in args.skip and sm90_gemm.device_supported(x.device)
+                and sm90_gemm.unsupported(N, K, dtype) is None):
+            out += sweep(bench, shape, M, x, want, tol, cublas, args, "sm90",
+                         sm90_candidates(M, N, K, sms, args.quick), sm90_gemm.linear, Sm90GemmConfig)
     bench.weights.clear()
     torch.cuda.empty_cache()
     return out
 
 
-BEST = {"triton-best": "triton", "cublaslt-best": "cublaslt"}
+BEST = {"triton-best": "triton", "cublaslt-best": "cublaslt", "sm90-best": "sm90"}
 
 
 def make_table(results: list[dict], device: str, dtype: str, margin: float, base: dict | None = None) -> dict:
-    """Per (N, K) and measured M: the fastest of the best Triton config and the best cuBLASLt
-    algorithm where it beats cuBLAS by `margin` (cuBLASLt's: over its bucket's fewest and most
-    rows, and at neither slower) and repeats its bits, else cuBLAS. Entries of
+    """Per (N, K) and measured M: the fastest of the best Triton config, the best cluster GEMM
+    config and the best cuBLASLt algorithm where it beats cuBLAS by `margin` (cuBLASLt's: over
+    its bucket's fewest and most rows, and at neither slower) and repeats its bits, else cuBLAS. Entries of
     `base` (an earlier table) stay where this run measured no such (N, K, M); a bucket it
     measured is replaced whole."""
     measured: dict[tuple, dict] = {}
@@ -268,7 +305,7 @@ def print_rows(results: list[dict]) -> None:
     print(f"{'model':<14}{'op':<9}{'M':>5}{'N':>7}{'K':>7}  {'impl':<15}{'us':>8}{'TFLOP/s':>9}"
           f"{'GB/s':>7}{'roof%':>7}  config (block_m/n/k/split_k/warps/stages)")
     for r in results:
-        if r["impl"] in ("triton", "cublaslt-algo") and not r.get("error") and not r.get("wrong"):
+        if r["impl"] in ("triton", "sm90", "cublaslt-algo") and not r.get("error") and not r.get("wrong"):
             continue  # the sweeps: in the JSON
         cfg = r.get("config")
         cfg = "/".join(str(v) for v in cfg.values()) if cfg else ""
@@ -314,7 +351,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="4 tiles instead of 10")
     p.add_argument("--skip", nargs="*", default=[],
                    help="any of cublaslt (torch's cuBLASLt backend), cublaslt-algos (cuBLASLt's "
-                   "other heuristic algorithms), tunableop, triton (the Triton sweep)")
+                   "other heuristic algorithms), tunableop, triton (the Triton sweep), sm90 (the "
+                   "Hopper cluster GEMM's sweep)")
     p.add_argument("--hbm", type=float, default=4.8e12, help="HBM bytes/s (H200 spec: 4.8e12)")
     p.add_argument("--flops", type=float, default=791e12, help="dense bf16 FLOP/s (H200: 791e12)")
     p.add_argument("--margin", type=float, default=0.03,

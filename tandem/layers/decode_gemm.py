@@ -2,8 +2,9 @@
 
 A table measured on one GPU (`python -m tandem.bench.gemm --table-out FILE`) lists, per weight
 shape (N, K) and M bucket, which won there: cuBLAS (`F.linear`), the Triton decode GEMM
-(`tandem.kernels.decode_gemm`, with its config) or another of cuBLASLt's own algorithms
-(`tandem.kernels.cublaslt`, with its config attributes; bias-free layers only).
+(`tandem.kernels.decode_gemm`, with its config), another of cuBLASLt's own algorithms
+(`tandem.kernels.cublaslt`, with its config attributes; bias-free layers only) or Hopper's
+cluster GEMM (`tandem.kernels.sm90_gemm`, with its config; sm_90 only).
 `apply_decode_gemm` hands each plain linear layer its shape's entries, once, from outside the
 model; a layer runs the table's choice only for the M it was measured to win at, cuBLAS for the
 rest.
@@ -20,6 +21,7 @@ import torch
 
 from tandem.kernels.cublaslt import LtAlgo
 from tandem.kernels.decode_gemm import GemmConfig
+from tandem.kernels.sm90_gemm import Sm90GemmConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "kernels", "configs")
 
@@ -27,14 +29,14 @@ CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "kernels", "conf
 @dataclass(frozen=True)
 class GemmChoice:
     """Rows up to `max_m` (and above the previous entry's) run `config`: a Triton `GemmConfig`, a
-    cuBLASLt `LtAlgo`, or None: cuBLAS."""
+    cuBLASLt `LtAlgo`, an `Sm90GemmConfig`, or None: cuBLAS."""
 
     max_m: int
-    config: GemmConfig | LtAlgo | None
+    config: GemmConfig | LtAlgo | Sm90GemmConfig | None
     measured_with: int | None = None  # a cuBLASLt choice: the cuBLASLt version it was timed under
 
 
-BACKENDS = {"triton": GemmConfig, "cublaslt": LtAlgo, "cublas": None}
+BACKENDS = {"triton": GemmConfig, "cublaslt": LtAlgo, "sm90": Sm90GemmConfig, "cublas": None}
 
 
 def parse_table(table: dict) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
@@ -86,10 +88,19 @@ def _can_run_cublaslt(layer: torch.nn.Module) -> bool:
     return layer.bias is None and layer.weight.is_cuda and cublaslt.available()
 
 
+def _can_run_sm90(layer: torch.nn.Module) -> bool:
+    from tandem.kernels import sm90_gemm
+
+    w = layer.weight
+    return (w.is_cuda and sm90_gemm.device_supported(w.device)
+            and sm90_gemm.unsupported(w.shape[0], w.shape[1], w.dtype) is None)
+
+
 def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
     """Give every plain linear layer (not the LM head) whose (N, K) is in `table` its choices
     (a layer with a bias runs cuBLAS where its shape's entry is cuBLASLt's: that path has no
-    bias); returns how many layers got some."""
+    bias; a layer on a GPU other than Hopper, or without NVRTC, where it is the sm90 kernel's);
+    returns how many layers got some."""
     from tandem.kernels import cublaslt
     from tandem.layers.linear import Linear, LMHead, MergedLinear
 
@@ -103,6 +114,9 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
                 measured_with |= {c.measured_with for c in lt}
             elif lt:
                 choices = tuple(GemmChoice(c.max_m, None) if c in lt else c for c in choices)
+            sm90 = [c for c in choices if isinstance(c.config, Sm90GemmConfig)]
+            if sm90 and not _can_run_sm90(m):
+                choices = tuple(GemmChoice(c.max_m, None) if c in sm90 else c for c in choices)
             if any(c.config is not None for c in choices):
                 m.decode_gemm = choices
                 count += 1
@@ -114,7 +128,7 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
     return count
 
 
-def pick(choices: tuple[GemmChoice, ...], m: int) -> GemmConfig | LtAlgo | None:
+def pick(choices: tuple[GemmChoice, ...], m: int) -> GemmConfig | LtAlgo | Sm90GemmConfig | None:
     """The config for `m` rows: the first bucket holding m; past the last bucket, cuBLAS."""
     for c in choices:
         if m <= c.max_m:

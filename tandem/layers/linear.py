@@ -14,6 +14,7 @@ from torch import nn
 
 from tandem import batch_invariant
 from tandem.kernels.cublaslt import LtAlgo
+from tandem.kernels.sm90_gemm import Sm90GemmConfig
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -80,8 +81,8 @@ def _decode_choice(decode_gemm: tuple | None, x: torch.Tensor, weight: torch.Ten
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            decode_gemm: tuple | None = None) -> torch.Tensor:
     """F.linear, or its batch-invariant kernel when that mode is on (`tandem.batch_invariant`), or
-    the Triton decode GEMM or a cuBLASLt algorithm where the layer's table
-    (`tandem.layers.decode_gemm`) picks one."""
+    the Triton decode GEMM, a cuBLASLt algorithm or the Hopper cluster GEMM where the layer's
+    table (`tandem.layers.decode_gemm`) picks one."""
     if batch_invariant.is_enabled():
         from tandem.kernels.batch_invariant import linear as bi_linear
 
@@ -92,6 +93,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             from tandem.kernels.cublaslt import linear as lt_linear
 
             return lt_linear(x, weight, config)
+    elif isinstance(config, Sm90GemmConfig):
+        from tandem.kernels.sm90_gemm import linear as sm90_linear
+
+        return sm90_linear(x, weight, bias, config)
     elif config is not None:
         from tandem.kernels.decode_gemm import linear as triton_linear
 

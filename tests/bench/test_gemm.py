@@ -109,3 +109,20 @@ def test_a_bucket_starts_past_the_largest_row_below_it():
     assert bucket_floor(128, [128, 256], None) == 1
     assert bucket_floor(128, [128, 256], earlier) == 65  # the merged table's 64-row bucket
     assert bucket_floor(1, [1, 4], earlier) == 1
+
+
+def test_sm90_candidates_stay_in_one_cluster_and_one_wave_when_split():
+    from tandem.bench.gemm import sm90_candidates
+    from tandem.kernels.sm90_gemm import default_config
+
+    for M, N, K in [(256, 1536, 8960), (256, 2048, 1536), (16, 960, 576), (128, 17920, 1536)]:
+        configs = sm90_candidates(M, N, K, 132, quick=False)
+        assert configs[0] == default_config(M, N, K, 132) and len(set(configs)) == len(configs)
+        for c in configs:
+            tiles = -(-(-(-M // c.block_m)) // c.cluster_m) * c.cluster_m * -(-N // c.block_n)
+            assert c.cluster_size <= 8 and -(-K // 64) >= 2 * c.split_k
+            assert c.split_k == 1 or tiles * c.split_k <= 1.1 * 132
+            assert c.block_m == (64 if M <= 64 else 128)
+    quick = sm90_candidates(256, 1536, 8960, 132, quick=True)
+    assert {c.cluster_m for c in quick} == {1, 2} and {c.stages for c in quick} == {4}
+    assert any(c.split_k == 4 and c.block_n == 96 for c in quick)

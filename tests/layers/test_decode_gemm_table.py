@@ -256,3 +256,40 @@ def test_the_shipped_tables_cover_the_presets_decode_shapes():
                 assert str(e["max_m"]) in e["cublaslt_probes"], e
                 assert all(p["us"] <= p["cublas_us"] for p in probes), e
                 assert sum(p["cublas_us"] for p in probes) >= 1.03 * sum(p["us"] for p in probes), e
+
+
+SM90 = {"block_m": 128, "block_n": 96, "stages": 4, "cluster_m": 2, "split_k": 4}
+
+
+def test_sm90_entries_run_only_on_hopper_and_reach_the_kernel(monkeypatch):
+    """A table's cluster GEMM entry: parsed into its config; a layer off a Hopper GPU (here: the
+    CPU) keeps cuBLAS in that bucket; where it may run, the layer calls the kernel with it."""
+    from tandem.kernels import sm90_gemm
+    from tandem.kernels.sm90_gemm import Sm90GemmConfig
+    from tandem.layers import decode_gemm
+
+    raw = {"shapes": {"48,32": [{"max_m": 256, "backend": "sm90", "config": SM90}]}}
+    parsed = parse_table(raw)
+    assert pick(parsed[(48, 32)], 200) == Sm90GemmConfig(**SM90)
+    layer = Linear(32, 48, bias=True)
+    assert apply_decode_gemm(torch.nn.ModuleList([layer]), parsed) == 0 and layer.decode_gemm is None
+
+    monkeypatch.setattr(decode_gemm, "_can_run_sm90", lambda layer: True)
+    calls = []
+    monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg: calls.append(cfg) or
+                        torch.nn.functional.linear(x, w, b))
+    assert apply_decode_gemm(torch.nn.ModuleList([layer]), parsed) == 1
+    with torch.no_grad():
+        layer(torch.randn(200, 32))
+        layer(torch.randn(300, 32))  # past the table: cuBLAS
+    assert calls == [Sm90GemmConfig(**SM90)]
+
+
+def test_sm90_needs_a_hopper_gpu_and_a_shape_it_takes():
+    from tandem.layers.decode_gemm import _can_run_sm90
+
+    assert not _can_run_sm90(Linear(32, 48))  # the CPU
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert _can_run_sm90(Linear(32, 48).cuda().to(torch.bfloat16)) == hopper
+        assert not _can_run_sm90(Linear(32, 44).cuda().to(torch.bfloat16))  # N % 8
