@@ -267,18 +267,44 @@ def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir, switched_on, m
     near-tie does not cascade). 2026-12-01, H200: 182/192 exact. Six rows split their keys: with
     the thirteenth session's switches off and on (`TANDEM_FUSED_SPLIT_MERGE`,
     `TANDEM_BALANCED_DECODE`, `TANDEM_FUSED_SILU_DOWN`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from tandem.kernels import decode_attention
     from tandem.layers import linear as linear_layers
 
     monkeypatch.setattr(decode_attention, "FUSED_MERGE", switched_on)
     monkeypatch.setattr(decode_attention, "BALANCED_ORDER", switched_on)
     monkeypatch.setattr(linear_layers, "FUSED_SILU_DOWN", switched_on)  # the H200 table: 1-32 rows
+    _smollm2_greedy_against_hf(smollm2_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="needs a Hopper GPU (sm_90)")
+def test_gpu_smollm2_on_the_cluster_gemm_agrees_with_hf_bf16(smollm2_dir, tmp_path):
+    """The same with every linear layer of the decode steps on Hopper's cluster GEMM
+    (`kernels/sm90_gemm`, a table naming it up to 256 rows: 64-row tiles up to 64 rows, then
+    two 128-row tiles sharing each weight tile, K split where the default splits it)."""
+    import json
+    from dataclasses import asdict
+
+    from tandem.bench.gemm import decode_shapes
+    from tandem.kernels.sm90_gemm import default_config
+
+    shapes = [(s["N"], s["K"]) for s in decode_shapes(smollm2_dir)]
+    table = tmp_path / "sm90.json"
+    table.write_text(json.dumps({"device": "test", "dtype": "bfloat16", "shapes": {
+        f"{n},{k}": [{"max_m": m, "backend": "sm90", "config": asdict(default_config(m, n, k))}
+                     for m in (64, 256)] for n, k in shapes}}))
+    _smollm2_greedy_against_hf(smollm2_dir, decode_gemm=str(table), min_gemm_layers=4 * 30)
+
+
+def _smollm2_greedy_against_hf(smollm2_dir, min_gemm_layers=0, **engine_kwargs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()
-    llm = LLM(smollm2_dir, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.2)
+    llm = LLM(smollm2_dir, dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.2,
+              **engine_kwargs)
+    assert llm.llm_engine.worker.decode_gemm_layers >= min_gemm_layers
     questions = ["What is the capital of France?", "Name three colors.", "Write a haiku about rain.",
                  "What is 17 + 25?", "Explain photosynthesis in one sentence.", "List two prime numbers."]
     ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
