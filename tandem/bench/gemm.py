@@ -9,14 +9,15 @@ Every linear layer of a decode step (q/k/v with its bias, o, gate/up, down; shap
 over enough weight copies that L2 holds none of the weight a call reads (the input stays hot, as
 the previous kernel just wrote it). The Triton GEMM is swept over tiles and split-K counts; on a
 Hopper GPU the cluster GEMM (`tandem.kernels.sm90_gemm`) over tile widths, multicast groups, K
-splits and pipeline depths. Each row reports us, TFLOP/s, GB/s of weight read and % of the
-roofline max(weight bytes / HBM, FLOPs / peak). cuBLASLt's heuristic proposes several algorithms
-for a shape and `F.linear` runs its first; the first eight are timed too (`cublaslt-algos`,
-bias-free shapes: that path has no bias). `--table-out` writes, per shape and M bucket, the
-fastest of cuBLAS, the best Triton config, the best cluster GEMM config and the best cuBLASLt
-algorithm (any but cuBLAS only where it beats cuBLAS by `--margin` and gives the same bits run
-after run): the table `EngineConfig(decode_gemm=PATH)` reads; `--table-merge FILE` starts it from
-an earlier table, so new buckets can be measured alone. Ends with one line of JSON.
+splits and pipeline depths, and for gate/up also with SiLU-and-mul in its epilogue against
+cuBLAS then the activation kernel (`sm90-glu` rows). Each row reports us, TFLOP/s, GB/s of
+weight read and % of the roofline max(weight bytes / HBM, FLOPs / peak). cuBLASLt's heuristic
+proposes several algorithms for a shape and `F.linear` runs its first; the first eight are timed
+too (`cublaslt-algos`, bias-free shapes: that path has no bias). `--table-out` writes, per shape
+and M bucket, the fastest of cuBLAS, the best Triton config, the best cluster GEMM config and the
+best cuBLASLt algorithm (any but cuBLAS only where it beats cuBLAS by `--margin` and gives the
+same bits run after run): the table `EngineConfig(decode_gemm=PATH)` reads; `--table-merge FILE`
+starts it from an earlier table, so new buckets can be measured alone. Ends with one line of JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 
 from tandem.bench.kernels import LAUNCH_ERRORS, time_in_graph
 from tandem.kernels import cublaslt, sm90_gemm
+from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.decode_gemm import GemmConfig, default_config, linear
 from tandem.kernels.sm90_gemm import Sm90GemmConfig
 
@@ -169,16 +171,19 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
     return rows
 
 
-def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool) -> list[Sm90GemmConfig]:
+def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
+                    widths: tuple[int, ...] | None = None) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
     tile widths x multicast groups x K splits (a split only within one wave of CTAs, at most 8 to
-    a cluster, at least two 64-deep blocks of K each) x pipeline depths."""
+    a cluster, at least two 64-deep blocks of K each) x pipeline depths. `widths` (weight rows a
+    tile; with the activation fused, for N output columns, half of them are output columns)."""
     block_m = 64 if M <= 64 else 128
     tiles_m = -(-M // block_m)
-    configs = [sm90_gemm.default_config(M, N, K, sms)]
-    for block_n in ((64, 96, 128, 256) if quick else (64, 96, 128, 160, 192, 256)):
+    glu = widths is not None
+    configs = [] if glu else [sm90_gemm.default_config(M, N, K, sms)]
+    for block_n in widths or ((64, 96, 128, 256) if quick else (64, 96, 128, 160, 192, 256)):
         for cluster_m in ((1, 2) if tiles_m > 1 else (1,)):
-            tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // block_n)
+            tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // (block_n // 2 if glu else block_n))
             for split in (1, 2, 3, 4, 6, 8):
                 if (cluster_m * split > 8 or -(-K // 64) < 2 * split
                         or (split > 1 and tiles * split > 1.1 * sms) or tiles * split > 4 * sms):
@@ -220,6 +225,26 @@ def sweep(bench, shape, M, x, want, tol, cublas, args, label, configs, fn, confi
     return out
 
 
+def cublas_then_activation(x, w, b):
+    return silu_and_mul(F.linear(x, w, b))
+
+
+def study_glu(bench, shape, M, x, sms, args) -> list[dict]:
+    """The gate/up GEMM with SiLU-and-mul in its epilogue (`sm90_gemm.gate_up_silu`) against what
+    the engine runs now, cuBLAS's GEMM then the activation kernel, timed as a pair: rows
+    `sm90-glu`(-default, -best; the speedup against the pair). Not a table entry yet: the MLP
+    would have to call it."""
+    pair = bench.time(cublas_then_activation, x)
+    want = cublas_then_activation(x, bench.weights[0], bench.bias).float()
+    tol = 0.02 * want.abs().max().item() + 1e-3
+    rows = [row(shape, M, "cublas+silu", pair, bench.w_bytes, args.hbm, args.flops)]
+    configs = [sm90_gemm.default_config(M, shape["N"] // 2, shape["K"], sms, glu=True)]
+    configs += [c for c in sm90_candidates(M, shape["N"] // 2, shape["K"], sms, args.quick,
+                                           widths=(96, 128, 144, 192, 256)) if c.block_n % 16 == 0]
+    return rows + sweep(bench, shape, M, x, want, tol, pair, args, "sm90-glu", configs,
+                        sm90_gemm.gate_up_silu, Sm90GemmConfig)
+
+
 def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]:
     bench = ShapeBench(shape, dtype, l2)
     N, K, wb = shape["N"], shape["K"], bench.w_bytes
@@ -256,6 +281,8 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]
                 and sm90_gemm.unsupported(N, K, dtype) is None):
             out += sweep(bench, shape, M, x, want, tol, cublas, args, "sm90",
                          sm90_candidates(M, N, K, sms, args.quick), sm90_gemm.linear, Sm90GemmConfig)
+            if shape["op"] == "gate_up":
+                out += study_glu(bench, shape, M, x, sms, args)
     bench.weights.clear()
     torch.cuda.empty_cache()
     return out
@@ -305,7 +332,8 @@ def print_rows(results: list[dict]) -> None:
     print(f"{'model':<14}{'op':<9}{'M':>5}{'N':>7}{'K':>7}  {'impl':<15}{'us':>8}{'TFLOP/s':>9}"
           f"{'GB/s':>7}{'roof%':>7}  config (block_m/n/k/split_k/warps/stages)")
     for r in results:
-        if r["impl"] in ("triton", "sm90", "cublaslt-algo") and not r.get("error") and not r.get("wrong"):
+        if (r["impl"] in ("triton", "sm90", "sm90-glu", "cublaslt-algo") and not r.get("error")
+                and not r.get("wrong")):
             continue  # the sweeps: in the JSON
         cfg = r.get("config")
         cfg = "/".join(str(v) for v in cfg.values()) if cfg else ""

@@ -10,8 +10,13 @@
 // wgmma from those stages. Every reduction adds the splits in split order: the same bits on every
 // run of a config.
 //
+// GLU: w is an MLP's merged [gate; up] weight ([2N, K]) and the output silu(x @ gate^T) * (x @ up^T)
+// ([M, N]), each product rounded to the element type first and the activation computed with the
+// same instructions as tandem/kernels/activation.py's Triton kernel (the same bits as the GEMM
+// then that kernel). A tile's B rows are BN/2 gate rows, then the same BN/2 columns' up rows.
+//
 // The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS,
-// CLUSTER_M, SPLIT_K, HAS_BIAS, ELEM_BF16 and the function wgmma_tile() for BN. Grid:
+// CLUSTER_M, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU and the function wgmma_tile() for BN. Grid:
 // (M tiles, N tiles, SPLIT_K), cluster (CLUSTER_M, 1, SPLIT_K). No #include: NVRTC compiles it
 // at run time.
 
@@ -31,6 +36,8 @@ struct __align__(64) TmaDesc { u64 opaque[16]; };  // a CUtensorMap, passed by v
 #define RED_BYTES (SPLIT_K > 1 ? BM * RED_STRIDE * 4 : 0)
 #define DATA_BYTES (PIPE_BYTES > RED_BYTES ? PIPE_BYTES : RED_BYTES)
 #define B_SHARE (BN / CLUSTER_M)  // weight rows each CTA of a multicast group loads
+#define OUT_BN (GLU ? BN / 2 : BN)  // output columns a tile
+#define W_BOX (GLU && B_SHARE > BN / 2 ? BN / 2 : B_SHARE)  // weight rows a TMA box (within a half)
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   u32 a;
@@ -132,6 +139,34 @@ __device__ __forceinline__ float elem_to_float(elem_t v) {
   return f;
 }
 
+// A float rounded to the element type and back.
+__device__ __forceinline__ float round_elem(float v) {
+  float r;
+#if ELEM_BF16
+  asm("{\n\t.reg .b16 h;\n\tcvt.rn.bf16.f32 h, %1;\n\tcvt.f32.bf16 %0, h;\n\t}" : "=f"(r) : "f"(v));
+#else
+  asm("{\n\t.reg .b16 h;\n\tcvt.rn.f16.f32 h, %1;\n\tcvt.f32.f16 %0, h;\n\t}" : "=f"(r) : "f"(v));
+#endif
+  return r;
+}
+
+// silu(gate) * up as activation.py's kernel computes it from the rounded products: exp(-g) as
+// ex2.approx of g * -log2(e), g / (1 + that) with div.full, silu rounded to the element type,
+// then the product in fp32 (rounded by the caller's pack2).
+__device__ __forceinline__ float silu_mul(float gate, float up) {
+  const float g = round_elem(gate), u = round_elem(up);
+  float silu;
+  asm("{\n\t.reg .f32 t, e;\n\t"
+      "mul.rn.f32 t, %1, 0fBFB8AA3B;\n\t"
+      "ex2.approx.f32 e, t;\n\t"
+      "add.rn.f32 e, e, 0f3F800000;\n\t"
+      "div.full.f32 %0, %1, e;\n\t}"
+      : "=f"(silu) : "f"(g));
+  float out;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(out) : "f"(round_elem(silu)), "f"(u));
+  return out;
+}
+
 // Two floats rounded to the element type, `lo` in the low half (the lower address).
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
   u32 v;
@@ -141,6 +176,24 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
 #endif
   return v;
+}
+
+// Four consecutive partial sums at `at` summed over the splits (the CTAs cx + s * CLUSTER_M of the
+// cluster), in split order.
+__device__ __forceinline__ void sum_splits(u32 at, u32 cx, float (&v)[4]) {
+  v[0] = v[1] = v[2] = v[3] = 0.f;
+  for (int s = 0; s < SPLIT_K; ++s) {
+    float p0, p1, p2, p3;
+    asm volatile(
+        "{\n\t.reg .b32 r;\n\t"
+        "mapa.shared::cluster.u32 r, %4, %5;\n\t"
+        "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [r];\n\t}"
+        : "=f"(p0), "=f"(p1), "=f"(p2), "=f"(p3) : "r"(at), "r"(cx + s * CLUSTER_M) : "memory");
+    v[0] += p0;
+    v[1] += p1;
+    v[2] += p2;
+    v[3] += p3;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -153,7 +206,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
   const int wg = tid / 128;  // 0: the producer; 1..CONSUMERS: 64 rows each
   const u32 cx = cluster_ctaid_x();  // among the CTAs sharing the weight tile
   const u32 split = blockIdx.z;      // the cluster spans every split: its z position
-  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+  const int m0 = blockIdx.x * BM, n0 = blockIdx.y * OUT_BN;
   const int num_kb = (K + BK - 1) / BK;
   const int kb_per = (num_kb + SPLIT_K - 1) / SPLIT_K;
   const int kb_lo = split * kb_per;
@@ -191,11 +244,20 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         const u32 a = base + s * STAGE_BYTES;
         const int k = (kb_lo + i) * BK;
         tma_load(a, &tmap_x, full, k, m0);
-#if CLUSTER_M > 1
-        tma_load_multicast(a + A_BYTES + cx * B_SHARE * BK * 2, &tmap_w, full, k, n0 + cx * B_SHARE, group);
+#pragma unroll
+        for (int q = 0; q < B_SHARE / W_BOX; ++q) {  // this CTA's share of the weight tile
+          const int r = cx * B_SHARE + q * W_BOX;      // its first row in the tile
+#if GLU
+          const int w_row = r < BN / 2 ? n0 + r : N + n0 + (r - BN / 2);  // gate rows, then up rows
 #else
-        tma_load(a + A_BYTES, &tmap_w, full, k, n0);
+          const int w_row = n0 + r;
 #endif
+#if CLUSTER_M > 1
+          tma_load_multicast(a + A_BYTES + r * BK * 2, &tmap_w, full, k, w_row, group);
+#else
+          tma_load(a + A_BYTES + r * BK * 2, &tmap_w, full, k, w_row);
+#endif
+        }
       }
 #if CLUSTER_M > 1 && SPLIT_K == 1
       // Leave only once every consumer in the group has made the arrivals this CTA's barriers
@@ -236,7 +298,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     const int col = 2 * (lane % 4);
 #if SPLIT_K == 1
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+    for (int j = 0; j < OUT_BN / 8; ++j) {
       const int n = n0 + 8 * j + col;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -246,6 +308,15 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
 #if HAS_BIAS
           v0 += elem_to_float(bias[n]);
           v1 += elem_to_float(bias[n + 1]);
+#endif
+#if GLU  // the same columns' up products: BN/2 columns on
+          float u0 = acc[4 * (j + BN / 16) + 2 * h], u1 = acc[4 * (j + BN / 16) + 2 * h + 1];
+#if HAS_BIAS
+          u0 += elem_to_float(bias[N + n]);
+          u1 += elem_to_float(bias[N + n + 1]);
+#endif
+          v0 = silu_mul(v0, u0);
+          v1 = silu_mul(v1, u1);
 #endif
           *reinterpret_cast<u32*>(out + (long long)m * N + n) = pack2(v0, v1);
         }
@@ -273,33 +344,28 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
   const int rows_per = (BM + SPLIT_K - 1) / SPLIT_K;
   const int r_lo = split * rows_per;
   const int r_hi = r_lo + rows_per < BM ? r_lo + rows_per : BM;
-  for (int it = tid; it < (r_hi - r_lo) * (BN / 4); it += THREADS) {
-    const int r = r_lo + it / (BN / 4), col = 4 * (it % (BN / 4));
+  for (int it = tid; it < (r_hi - r_lo) * (OUT_BN / 4); it += THREADS) {
+    const int r = r_lo + it / (OUT_BN / 4), col = 4 * (it % (OUT_BN / 4));
     const int m = m0 + r, n = n0 + col;
     if (m >= M || n >= N) continue;  // N is a multiple of 4: the four columns are in
-    const u32 at = base + (r * RED_STRIDE + col) * 4;
-    float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-    for (int s = 0; s < SPLIT_K; ++s) {
-      float v0, v1, v2, v3;
-      asm volatile(
-          "{\n\t.reg .b32 r;\n\t"
-          "mapa.shared::cluster.u32 r, %4, %5;\n\t"
-          "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [r];\n\t}"
-          : "=f"(v0), "=f"(v1), "=f"(v2), "=f"(v3) : "r"(at), "r"(cx + s * CLUSTER_M) : "memory");
-      s0 += v0;
-      s1 += v1;
-      s2 += v2;
-      s3 += v3;
-    }
+    float v[4];
+    sum_splits(base + (r * RED_STRIDE + col) * 4, cx, v);
 #if HAS_BIAS
-    s0 += elem_to_float(bias[n]);
-    s1 += elem_to_float(bias[n + 1]);
-    s2 += elem_to_float(bias[n + 2]);
-    s3 += elem_to_float(bias[n + 3]);
+    for (int e = 0; e < 4; ++e) v[e] += elem_to_float(bias[n + e]);
+#endif
+#if GLU
+    float u[4];
+    sum_splits(base + (r * RED_STRIDE + col + BN / 2) * 4, cx, u);
+    for (int e = 0; e < 4; ++e) {
+#if HAS_BIAS
+      u[e] += elem_to_float(bias[N + n + e]);
+#endif
+      v[e] = silu_mul(v[e], u[e]);
+    }
 #endif
     u32* dst = reinterpret_cast<u32*>(out + (long long)m * N + n);
-    dst[0] = pack2(s0, s1);
-    dst[1] = pack2(s2, s3);
+    dst[0] = pack2(v[0], v[1]);
+    dst[1] = pack2(v[2], v[3]);
   }
   // No CTA leaves while another may still read its shared memory (the loads above have
   // returned: their sums are stored).

@@ -114,33 +114,38 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(M: int, N: int, K: int, sms: int = 132) -> Sm90GemmConfig:
+def default_config(M: int, N: int, K: int, sms: int = 132, glu: bool = False) -> Sm90GemmConfig:
     """Tiles as tall as the rows allow (64 or 128), two M tiles sharing each weight tile where
-    there are two, and the widest tile of 128, 96 or 64 columns whose K splits (at most a cluster
-    of 8 CTAs, each split at least 2 blocks of K) put the most CTAs on the SMs in one wave."""
+    there are two, and the tile width (128, 96 or 64 columns; with `glu`, 256, 192, 144, 128 or
+    96 weight rows for half as many output columns) whose K splits (at most a cluster of 8 CTAs,
+    each split at least 2 blocks of K) keep the SMs busiest: CTAs over whole waves of `sms`."""
     block_m = 64 if M <= 64 else 128
     tiles_m = -(-M // block_m)
     cluster_m = 2 if tiles_m % 2 == 0 else 1
     k_blocks = -(-K // BLOCK_K)
     best = None
-    for block_n in (128, 96, 64):
-        tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // block_n)
+    for block_n in ((256, 192, 144, 128, 96) if glu else (128, 96, 64)):
+        tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // (block_n // 2 if glu else block_n))
         split = 1
         while (split * 2 * cluster_m <= 8 and tiles * split * 2 <= sms
                and k_blocks // (split * 2) >= 2):
             split *= 2
-        busy = min(tiles * split, sms) if tiles * split <= sms else tiles * split / -(-tiles * split // sms)
+        ctas = tiles * split
+        busy = ctas / (-(-ctas // sms) * sms)
         if best is None or busy > best[0]:
             best = (busy, Sm90GemmConfig(block_m, block_n, 4, cluster_m, split))
     return best[1]
 
 
-def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool) -> str:
+def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = False) -> str:
     """The kernel's CUDA source for a config: its macros, its wgmma for `block_n`, the kernel."""
+    if glu and cfg.block_n % 16:
+        raise ValueError(f"block_n={cfg.block_n}: with the activation fused, half of it (the gate "
+                         "columns) must be a multiple of 8")
     t = _DTYPES[dtype]
     macros = {"BM": cfg.block_m, "BN": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
               "CLUSTER_M": cfg.cluster_m, "SPLIT_K": cfg.split_k, "HAS_BIAS": int(has_bias),
-              "ELEM_BF16": int(dtype == torch.bfloat16)}
+              "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu)}
     head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
     with open(_SOURCE) as f:
         kernel = f.read()
@@ -166,10 +171,11 @@ def _wgmma_source(n: int, t: str) -> str:
 
 
 @functools.cache
-def _kernel(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool):
+def _kernel(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool):
     from tandem.kernels import cuda_driver
 
-    return cuda_driver.Kernel(cuda_driver.compile_cubin(source(cfg, dtype, has_bias)), "tandem_sm90_gemm")
+    return cuda_driver.Kernel(cuda_driver.compile_cubin(source(cfg, dtype, has_bias, glu)),
+                              "tandem_sm90_gemm")
 
 
 _MAPS: dict[tuple, object] = {}  # (address, shape, row stride, dtype, box rows) -> TensorMap
@@ -195,13 +201,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, summed in fp32 and
     rounded once (the bias added before rounding). Same bits on every call with the same config
     and M."""
+    return _launch(x, weight, bias, config, glu=False)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: Sm90GemmConfig | None = None) -> torch.Tensor:
+    """`activation.silu_and_mul(linear(x, weight, bias, config))` in one launch: weight [2N, K]
+    (an MLP's gate rows, then its up rows) -> [..., N]. The products are rounded as `linear`
+    rounds them and the activation computed as the activation kernel computes it, so the bits
+    are the two launches' (for a `linear` config of the same rows and K splits); no [.., 2N]
+    intermediate is written. `config.block_n` counts both halves (a multiple of 16)."""
+    return _launch(x, weight, bias, config, glu=True)
+
+
+def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
     K = x.shape[-1]
-    N = weight.shape[0]
-    if weight.shape != (N, K) or weight.dtype != x.dtype:
+    rows = weight.shape[0]
+    N = rows // 2 if glu else rows
+    if weight.shape != (rows, K) or weight.dtype != x.dtype or (glu and rows % 2):
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} does not take x "
-                         f"[..., {K}] {x.dtype}")
-    if bias is not None and (bias.shape != (N,) or bias.dtype != x.dtype):
-        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: want ({N},) {x.dtype}")
+                         f"[..., {K}] {x.dtype}" + (" (gate and up rows: an even count)" if glu else ""))
+    if bias is not None and (bias.shape != (rows,) or bias.dtype != x.dtype):
+        raise ValueError(f"bias {tuple(bias.shape)} {bias.dtype}: want ({rows},) {x.dtype}")
     why = unsupported(N, K, x.dtype)
     if why is not None:
         raise ValueError(f"sm90_gemm: unsupported {why}")
@@ -214,13 +235,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out.view(*x.shape[:-1], N)
-    cfg = config or default_config(M, N, K, num_sms(x.device))
+    cfg = config or default_config(M, N, K, num_sms(x.device), glu=glu)
     tiles_m = -(-M // cfg.block_m)
     tiles_m = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m  # whole clusters (extra tiles: rows >= M)
-    tiles_n = -(-N // cfg.block_n)
-    args = [_tensor_map(x2, cfg.block_m), _tensor_map(weight, cfg.block_n // cfg.cluster_m), out,
+    out_cols = cfg.block_n // 2 if glu else cfg.block_n
+    share = cfg.block_n // cfg.cluster_m
+    w_box = min(share, cfg.block_n // 2) if glu else share  # the kernel's W_BOX
+    args = [_tensor_map(x2, cfg.block_m), _tensor_map(weight, w_box), out,
             bias if bias is not None else weight, ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
-    _kernel(cfg, x.dtype, bias is not None).launch(
-        (tiles_m, tiles_n, cfg.split_k), (cfg.threads, 1, 1), args, shared_mem=cfg.shared_bytes(),
-        cluster=(cfg.cluster_m, 1, cfg.split_k), pdl=pdl.enabled(x2), device=x.device)
+    _kernel(cfg, x.dtype, bias is not None, glu).launch(
+        (tiles_m, -(-N // out_cols), cfg.split_k), (cfg.threads, 1, 1), args,
+        shared_mem=cfg.shared_bytes(), cluster=(cfg.cluster_m, 1, cfg.split_k), pdl=pdl.enabled(x2),
+        device=x.device)
     return out.view(*x.shape[:-1], N)

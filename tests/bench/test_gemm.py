@@ -126,3 +126,16 @@ def test_sm90_candidates_stay_in_one_cluster_and_one_wave_when_split():
     quick = sm90_candidates(256, 1536, 8960, 132, quick=True)
     assert {c.cluster_m for c in quick} == {1, 2} and {c.stages for c in quick} == {4}
     assert any(c.split_k == 4 and c.block_n == 96 for c in quick)
+
+
+def test_glu_candidates_count_output_columns_as_half_the_tile():
+    """With the activation fused a tile of block_n weight rows makes block_n / 2 output columns:
+    gate/up at 256 rows (I = 8960) in 144-row tiles is 125 x 2 M tiles = 250 CTAs, under 2 waves."""
+    from tandem.bench.gemm import sm90_candidates
+
+    configs = sm90_candidates(256, 8960, 1536, 132, quick=True, widths=(96, 128, 144, 192, 256))
+    assert configs and all(c.block_n in (96, 128, 144, 192, 256) for c in configs)
+    for c in configs:
+        tiles = 2 * -(-8960 // (c.block_n // 2))
+        assert c.split_k == 1 or tiles * c.split_k <= 1.1 * 132
+    assert any(c.block_n == 144 and c.cluster_m == 2 for c in configs)

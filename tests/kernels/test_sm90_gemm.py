@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cuda_driver
-from tandem.kernels.sm90_gemm import (Sm90GemmConfig, _wgmma_source, default_config, linear,
-                                      source, unsupported)
+from tandem.kernels.sm90_gemm import (Sm90GemmConfig, _wgmma_source, default_config, gate_up_silu,
+                                      linear, source, unsupported)
 
 # Qwen2.5-1.5B's decode GEMMs (q/k/v, o, gate/up, down) and SmolLM2-135M's q/k/v: N, K
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (960, 576)]
@@ -82,16 +82,24 @@ COMPILED = [  # config, dtype, bias
     (Sm90GemmConfig(128, 256, 3, 1, 1), torch.bfloat16, True),  # the widest tile
     (Sm90GemmConfig(128, 64, 6, 4, 2), torch.bfloat16, False),  # four CTAs share a weight tile
 ]
+GLU_COMPILED = [  # gate/up with the activation: config, dtype, bias
+    (Sm90GemmConfig(128, 144, 4, 2, 1), torch.bfloat16, False),  # gate/up at 256 rows
+    (Sm90GemmConfig(64, 128, 4, 1, 2), torch.float16, True),  # two boxes a stage (no multicast), split
+    (Sm90GemmConfig(128, 256, 4, 4, 2), torch.bfloat16, False),  # quarter shares of each half
+]
 
 
-@pytest.mark.skipif(not cuda_driver.nvcc_available(), reason="needs nvcc")
-@pytest.mark.parametrize("cfg,dtype,bias", COMPILED, ids=lambda v: str(v))
-def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias):
+@pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
+                    reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize("cfg,dtype,bias,glu", [c + (False,) for c in COMPILED]
+                         + [c + (True,) for c in GLU_COMPILED], ids=lambda v: str(v))
+def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias, glu):
     """The machine code nvcc makes of each variant: the k loop's four wgmmas (HGMMA, at the tile's
     width) waited for once a k block and once at the end, not after each (ptxas serializes them
     when other code writes their accumulators inside the pipeline: warning C7515); TMA loads,
-    multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop."""
-    src = source(cfg, dtype, bias)
+    multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop;
+    with the activation, its exponential (MUFU.EX2) in the epilogue."""
+    src = source(cfg, dtype, bias, glu)
     usage = cuda_driver.ptxas_resource_usage(src)
     assert "C7515" not in usage and "0 bytes spill stores" in usage, usage
     sass = cuda_driver.cuobjdump_sass(cuda_driver.nvcc_cubin(src))
@@ -104,6 +112,14 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     assert "UTMALDG.2D " in sass  # each CTA's own x tile
     loop = sass[sass.index("HGMMA"):sass.rindex("WARPGROUP.DEPBAR.LE gsb0, 0x0")]
     assert "MEMBAR" not in loop
+    assert ("MUFU.EX2" in sass) == glu
+
+
+def test_the_fused_activation_needs_whole_gate_columns():
+    with pytest.raises(ValueError, match="block_n=136"):
+        source(Sm90GemmConfig(128, 136), torch.bfloat16, False, glu=True)
+    # the default for gate/up at 256 rows: 144 weight rows (72 output columns), 250 CTAs, 2 waves
+    assert default_config(256, 8960, 1536, glu=True) == Sm90GemmConfig(128, 144, 4, 2, 1)
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------
@@ -183,3 +199,23 @@ def test_cuda_graph_replays_on_new_inputs():
     torch.cuda.synchronize()
     assert_close_to_fp32(y, x, w, None)
     assert torch.equal(y, linear(x, w, None, cfg))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("cfg,dtype,bias", GLU_COMPILED, ids=lambda v: str(v))
+@pytest.mark.parametrize("M", [5, 200])
+def test_gate_up_silu_is_the_gemm_then_the_activation_kernel(cfg, dtype, bias, M):
+    """The fused activation gives the bits of this kernel's own product (a config of the same
+    rows and K splits) followed by the Triton activation kernel; I = 1000 leaves a partial tile."""
+    from tandem.kernels.activation import silu_and_mul
+
+    for inter, K in [(8960, 1536), (1000, 576)]:
+        x, w, b = operands(M, 2 * inter, K, dtype, bias)
+        y = gate_up_silu(x, w, b, cfg)
+        assert y.shape == (M, inter)
+        plain = Sm90GemmConfig(cfg.block_m, 64, 4, 1, cfg.split_k)
+        assert torch.equal(y, silu_and_mul(linear(x, w, b, plain)))
+        gate_up = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+        want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        torch.testing.assert_close(y.float(), want, atol=0.05, rtol=0.02)
