@@ -74,10 +74,18 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
   return done != 0;
 }
 
+#if SM90_WATCHDOG  // bring-up: a wait that never ends traps (the launch fails) instead of hanging
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  for (u32 spins = 0; !mbar_try_wait(bar, parity); ++spins) {
+    if (spins == (1u << 26)) asm volatile("trap;");
+  }
+}
+#else
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
 }
+#endif
 
 // One arrival on the barrier at the same offset in the cluster's CTA `cta` (this one included).
 // What it orders, the wgmma reads of a stage, wgmma.wait_group has already completed: no fence
@@ -260,10 +268,11 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         }
       }
 #if CLUSTER_M > 1 && SPLIT_K == 1
-      // Leave only once every consumer in the group has made the arrivals this CTA's barriers
-      // count (none may reach a CTA that has exited): the releases of blocks nkb - STAGES to
-      // nkb - 2 (the loop waited for those before). Split, the cluster barrier below does.
-      for (int i = nkb > STAGES ? nkb - STAGES : 0; i < nkb - 1; ++i)
+      // Leave only once every consumer in the group has released every stage: no arrival may
+      // reach a CTA that has exited, and no CTA may exit while its multicast to the others is
+      // in flight (a peer releases a block only after it received it). The loop waited for
+      // blocks up to nkb - 1 - STAGES; here the rest. Split, the cluster barrier below does it.
+      for (int i = nkb > STAGES ? nkb - STAGES : 0; i < nkb; ++i)
         mbar_wait(bars + 8 * (STAGES + i % STAGES), (i / STAGES) & 1);
 #endif
     }
@@ -289,8 +298,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     wgmma_wait<0>();
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[j]) :: "memory");
-    // The last stage is not released: nothing loads into it again. (An arrival here, after the
-    // wait, makes ptxas serialize every wgmma of the loop: warning C7515.)
+    // The last stage is released after the epilogue's stores, where a multicast group needs it
+    // (an arrival here, right after the wait, makes ptxas serialize every wgmma of the loop:
+    // warning C7515).
 
     // acc[4j + 2h + e] holds row warp*16 + lane/4 + 8h, column 8j + 2(lane%4) + e of the
     // warpgroup's 64 x BN tile.
@@ -322,6 +332,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         }
       }
     }
+#if CLUSTER_M > 1  // the group's producers wait for it before they exit (below)
+    if (nkb > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (nkb - 1) % STAGES), split);
+#endif
 #else
     // Partial sums into this CTA's shared memory, over the stages: every stage's loads have
     // landed (each was waited for) and, after this barrier, every consumer's products are done.

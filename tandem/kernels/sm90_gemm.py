@@ -33,6 +33,9 @@ BLOCK_K = 64
 MAX_SHARED = 227 * 1024  # an H100/H200 block's dynamic shared memory limit
 _SOURCE = os.path.join(os.path.dirname(__file__), "sm90_gemm.cu")
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
+# Bring-up aid: a barrier wait that spins 2**26 times traps (the launch fails with an error)
+# instead of hanging the GPU; `TANDEM_SM90_WATCHDOG=1`, read at import.
+WATCHDOG = os.environ.get("TANDEM_SM90_WATCHDOG", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = 
     t = _DTYPES[dtype]
     macros = {"BM": cfg.block_m, "BN": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
               "CLUSTER_M": cfg.cluster_m, "SPLIT_K": cfg.split_k, "HAS_BIAS": int(has_bias),
-              "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu)}
+              "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG)}
     head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
     with open(_SOURCE) as f:
         kernel = f.read()
@@ -231,6 +234,8 @@ def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # read as [2N] or [N] contiguous
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:

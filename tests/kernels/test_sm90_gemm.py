@@ -115,6 +115,20 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     assert ("MUFU.EX2" in sass) == glu
 
 
+@pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
+                    reason="needs nvcc and cuobjdump")
+def test_the_watchdog_traps_instead_of_hanging(monkeypatch):
+    """`TANDEM_SM90_WATCHDOG`: every barrier wait (producer, consumers, the multicast group's
+    exit wait) ends in a trap after 2**26 polls; the k loop stays pipelined."""
+    from tandem.kernels import sm90_gemm
+
+    monkeypatch.setattr(sm90_gemm, "WATCHDOG", True)
+    src = source(Sm90GemmConfig(128, 128, 4, 2, 1), torch.bfloat16, False)
+    assert "#define SM90_WATCHDOG 1" in src
+    sass = cuda_driver.cuobjdump_sass(cuda_driver.nvcc_cubin(src))
+    assert sass.count("BPT.TRAP") >= 3 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+
+
 def test_the_fused_activation_needs_whole_gate_columns():
     with pytest.raises(ValueError, match="block_n=136"):
         source(Sm90GemmConfig(128, 136), torch.bfloat16, False, glu=True)
@@ -165,8 +179,9 @@ def test_default_config_matches_the_fp32_product(M, N, K):
 @pytest.mark.parametrize("M", [3, 130, 256])
 def test_each_variant_matches_and_repeats_its_bits(cfg, dtype, bias, M):
     """Rows past M (tiles zero-filled by TMA), extra M tiles a cluster rounds up to, K tails
-    (K = 1000 is not a multiple of 64) and more splits than some shapes' K blocks."""
-    for N, K in [(1536, 1536), (960, 1000), (256, 128)]:
+    (K = 1000 is not a multiple of 64), more splits than some shapes' K blocks, and a single K
+    block (K = 64: a multicast group's CTAs wait for each other's last release before exiting)."""
+    for N, K in [(1536, 1536), (960, 1000), (256, 128), (256, 64)]:
         x, w, b = operands(M, N, K, dtype, bias)
         y = linear(x, w, b, cfg)
         assert_close_to_fp32(y, x, w, b)
@@ -183,6 +198,8 @@ def test_matches_cublas_within_its_own_error_and_takes_views():
     assert (y.view(256, 2048).float() - want).abs().max().item() <= 4 * 2.0 ** -7 * want.abs().max().item()
     wide = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
     assert_close_to_fp32(linear(wide[:, :1536], w, b), wide[:, :1536], w, b)  # a strided x
+    b2 = torch.randn(4096, device="cuda", dtype=torch.bfloat16)[::2]  # a strided bias
+    assert_close_to_fp32(linear(x, w, b2), x, w, b2)
 
 
 @pytest.mark.gpu
