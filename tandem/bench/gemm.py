@@ -35,7 +35,7 @@ from tandem.bench.kernels import LAUNCH_ERRORS, time_in_graph
 from tandem.kernels import cublaslt, sm90_gemm
 from tandem.kernels.activation import silu_and_mul
 from tandem.kernels.decode_gemm import GemmConfig, default_config, linear
-from tandem.kernels.sm90_gemm import Sm90GemmConfig
+from tandem.kernels.sm90_gemm import Sm90GemmConfig, Sm90GluConfig
 
 TILES = [  # (block_m, block_n, block_k, num_warps); the 16-row tiles for M <= 32 only
     (16, 32, 128, 4), (16, 32, 256, 4), (16, 64, 128, 4), (16, 64, 256, 8), (16, 128, 64, 4),
@@ -203,7 +203,9 @@ def sweep(bench, shape, M, x, want, tol, cublas, args, label, configs, fn, confi
     wb = bench.w_bytes
     out, best = [], None
     for i, cfg in enumerate(dict.fromkeys(configs)):
-        run = lambda x_, w, b, cfg=cfg: fn(x_, w, b, cfg)
+        def run(x_, w, b, cfg=cfg):
+            return fn(x_, w, b, cfg)
+
         try:
             err = (run(x, bench.weights[0], bench.bias).float() - want).abs().max().item()
             us = bench.time(run, x)
@@ -232,17 +234,18 @@ def cublas_then_activation(x, w, b):
 def study_glu(bench, shape, M, x, sms, args) -> list[dict]:
     """The gate/up GEMM with SiLU-and-mul in its epilogue (`sm90_gemm.gate_up_silu`) against what
     the engine runs now, cuBLAS's GEMM then the activation kernel, timed as a pair: rows
-    `sm90-glu`(-default, -best; the speedup against the pair). Not a table entry yet: the MLP
-    would have to call it."""
+    `sm90-glu`(-default, -best; the speedup against the pair). Its table entry (backend
+    `sm90-glu`) sends the MLP through it (`tandem.layers.linear.apply_mlp`)."""
     pair = bench.time(cublas_then_activation, x)
     want = cublas_then_activation(x, bench.weights[0], bench.bias).float()
     tol = 0.02 * want.abs().max().item() + 1e-3
     rows = [row(shape, M, "cublas+silu", pair, bench.w_bytes, args.hbm, args.flops)]
     configs = [sm90_gemm.default_config(M, shape["N"] // 2, shape["K"], sms, glu=True)]
-    configs += [c for c in sm90_candidates(M, shape["N"] // 2, shape["K"], sms, args.quick,
-                                           widths=(96, 128, 144, 192, 256)) if c.block_n % 16 == 0]
+    configs += [Sm90GluConfig(**asdict(c)) for c in sm90_candidates(
+        M, shape["N"] // 2, shape["K"], sms, args.quick, widths=(96, 128, 144, 192, 256))
+        if c.block_n % 16 == 0]
     return rows + sweep(bench, shape, M, x, want, tol, pair, args, "sm90-glu", configs,
-                        sm90_gemm.gate_up_silu, Sm90GemmConfig)
+                        sm90_gemm.gate_up_silu, Sm90GluConfig)
 
 
 def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]:
@@ -288,17 +291,22 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]
     return out
 
 
-BEST = {"triton-best": "triton", "cublaslt-best": "cublaslt", "sm90-best": "sm90"}
+BEST = {"triton-best": "triton", "cublaslt-best": "cublaslt", "sm90-best": "sm90",
+        "sm90-glu-best": "sm90-glu"}
 
 
 def make_table(results: list[dict], device: str, dtype: str, margin: float, base: dict | None = None) -> dict:
     """Per (N, K) and measured M: the fastest of the best Triton config, the best cluster GEMM
     config and the best cuBLASLt algorithm where it beats cuBLAS by `margin` (cuBLASLt's: over
-    its bucket's fewest and most rows, and at neither slower) and repeats its bits, else cuBLAS. Entries of
+    its bucket's fewest and most rows, and at neither slower) and repeats its bits, else cuBLAS;
+    for gate/up, the cluster GEMM with the activation fused where it beats that choice plus the
+    activation kernel (and cuBLAS's pair by `margin`). Entries of
     `base` (an earlier table) stay where this run measured no such (N, K, M); a bucket it
     measured is replaced whole."""
     measured: dict[tuple, dict] = {}
-    for r in results:
+    # the fused gate/up + activation last: it competes with the GEMM chosen before it plus the
+    # activation kernel (its "cublas_us" is cuBLAS's GEMM and that kernel, timed as a pair)
+    for r in sorted(results, key=lambda r: r["impl"] == "sm90-glu-best"):
         if r["impl"] not in BEST and not (r["impl"] == "cublas" and r.get("us") is not None):
             continue
         e = measured.setdefault((f"{r['N']},{r['K']}", r["M"]), {
@@ -312,7 +320,11 @@ def make_table(results: list[dict], device: str, dtype: str, margin: float, base
             e[f"{backend}_probes"] = {str(m): {k: round(v, 2) for k, v in p.items()}
                                       for m, p in r["probes"].items()}
         wins = r["speedup_vs_cublas"] >= 1 + margin and r.get("deterministic", True)
-        if wins and (e["config"] is None or r["us"] < e[f"{e['backend']}_us"]):
+        chosen_us = e["cublas_us"] if e["config"] is None else e[f"{e['backend']}_us"]
+        if backend == "sm90-glu":
+            e["activation_us"] = round(r["cublas_us"] - e["cublas_us"], 2)
+            chosen_us += e["activation_us"]
+        if wins and r["us"] < chosen_us:
             e["backend"], e["config"] = backend, r["config"]
     shapes: dict[str, list] = {k: list(v) for k, v in (base or {}).get("shapes", {}).items()}
     for (key, m), entry in measured.items():
@@ -354,7 +366,7 @@ def step_savings(results: list[dict]) -> dict:
     out: dict = {}
     best: dict[tuple, tuple] = {}  # (model, M, op) -> (layers, cuBLAS us, best us)
     for r in results:
-        if r["impl"] not in BEST:
+        if r["impl"] not in BEST or r["impl"] == "sm90-glu-best":  # (GEMMs only)
             continue
         cublas = r["cublas_us"]
         k = (r["model"], r["M"], r["op"])

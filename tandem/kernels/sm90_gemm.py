@@ -90,6 +90,18 @@ class Sm90GemmConfig:
         return max(pipe, red) + 16 * self.stages + 1024
 
 
+@dataclass(frozen=True)
+class Sm90GluConfig(Sm90GemmConfig):
+    """A config for an MLP's gate/up GEMM with SiLU-and-mul in its epilogue (`gate_up_silu`):
+    `block_n` weight rows a tile, half of them gate rows, so a multiple of 16."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.block_n % 16:
+            raise ValueError(f"Sm90GluConfig: block_n={self.block_n} (a multiple of 16: half of it "
+                             "gate rows, a multiple of 8)")
+
+
 def unsupported(N: int, K: int, dtype: torch.dtype) -> str | None:
     """Why this kernel cannot multiply by an [N, K] weight of `dtype` (None: it can)."""
     if dtype not in _DTYPES:
@@ -136,7 +148,7 @@ def default_config(M: int, N: int, K: int, sms: int = 132, glu: bool = False) ->
         ctas = tiles * split
         busy = ctas / (-(-ctas // sms) * sms)
         if best is None or busy > best[0]:
-            best = (busy, Sm90GemmConfig(block_m, block_n, 4, cluster_m, split))
+            best = (busy, (Sm90GluConfig if glu else Sm90GemmConfig)(block_m, block_n, 4, cluster_m, split))
     return best[1]
 
 

@@ -4,7 +4,8 @@ A table measured on one GPU (`python -m tandem.bench.gemm --table-out FILE`) lis
 shape (N, K) and M bucket, which won there: cuBLAS (`F.linear`), the Triton decode GEMM
 (`tandem.kernels.decode_gemm`, with its config), another of cuBLASLt's own algorithms
 (`tandem.kernels.cublaslt`, with its config attributes; bias-free layers only) or Hopper's
-cluster GEMM (`tandem.kernels.sm90_gemm`, with its config; sm_90 only).
+cluster GEMM (`tandem.kernels.sm90_gemm`, with its config; sm_90 only; for an MLP's gate/up
+layer, maybe with the activation in its epilogue).
 `apply_decode_gemm` hands each plain linear layer its shape's entries, once, from outside the
 model; a layer runs the table's choice only for the M it was measured to win at, cuBLAS for the
 rest.
@@ -21,7 +22,7 @@ import torch
 
 from tandem.kernels.cublaslt import LtAlgo
 from tandem.kernels.decode_gemm import GemmConfig
-from tandem.kernels.sm90_gemm import Sm90GemmConfig
+from tandem.kernels.sm90_gemm import Sm90GemmConfig, Sm90GluConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "kernels", "configs")
 
@@ -36,7 +37,10 @@ class GemmChoice:
     measured_with: int | None = None  # a cuBLASLt choice: the cuBLASLt version it was timed under
 
 
-BACKENDS = {"triton": GemmConfig, "cublaslt": LtAlgo, "sm90": Sm90GemmConfig, "cublas": None}
+# "sm90-glu": an MLP's gate/up layer runs the cluster GEMM with SiLU-and-mul in its epilogue
+# (`linear.apply_mlp`); called on its own (not from an MLP), the plain cluster GEMM
+BACKENDS = {"triton": GemmConfig, "cublaslt": LtAlgo, "sm90": Sm90GemmConfig, "sm90-glu": Sm90GluConfig,
+            "cublas": None}
 
 
 def parse_table(table: dict) -> dict[tuple[int, int], tuple[GemmChoice, ...]]:
@@ -88,12 +92,15 @@ def _can_run_cublaslt(layer: torch.nn.Module) -> bool:
     return layer.bias is None and layer.weight.is_cuda and cublaslt.available()
 
 
-def _can_run_sm90(layer: torch.nn.Module) -> bool:
+def _can_run_sm90(layer: torch.nn.Module, glu: bool = False) -> bool:
+    """Whether the cluster GEMM can multiply by the layer's weight here (with `glu`: as an MLP's
+    gate/up weight, its output half as wide)."""
     from tandem.kernels import sm90_gemm
 
     w = layer.weight
-    return (w.is_cuda and sm90_gemm.device_supported(w.device)
-            and sm90_gemm.unsupported(w.shape[0], w.shape[1], w.dtype) is None)
+    n = w.shape[0] // 2 if glu else w.shape[0]
+    return (w.is_cuda and sm90_gemm.device_supported(w.device) and not (glu and w.shape[0] % 2)
+            and sm90_gemm.unsupported(n, w.shape[1], w.dtype) is None)
 
 
 def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
@@ -114,8 +121,9 @@ def apply_decode_gemm(model: torch.nn.Module, table: dict) -> int:
                 measured_with |= {c.measured_with for c in lt}
             elif lt:
                 choices = tuple(GemmChoice(c.max_m, None) if c in lt else c for c in choices)
-            sm90 = [c for c in choices if isinstance(c.config, Sm90GemmConfig)]
-            if sm90 and not _can_run_sm90(m):
+            sm90 = [c for c in choices if isinstance(c.config, Sm90GemmConfig)
+                    and not _can_run_sm90(m, isinstance(c.config, Sm90GluConfig))]
+            if sm90:
                 choices = tuple(GemmChoice(c.max_m, None) if c in sm90 else c for c in choices)
             if any(c.config is not None for c in choices):
                 m.decode_gemm = choices

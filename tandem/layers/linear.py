@@ -14,7 +14,7 @@ from torch import nn
 
 from tandem import batch_invariant
 from tandem.kernels.cublaslt import LtAlgo
-from tandem.kernels.sm90_gemm import Sm90GemmConfig
+from tandem.kernels.sm90_gemm import Sm90GemmConfig, Sm90GluConfig
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -102,6 +102,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
         return triton_linear(x, weight, bias, config)
     return F.linear(x, weight, bias)
+
+
+def apply_mlp(gate_up_proj: nn.Module, act_fn: nn.Module, down_proj: nn.Module,
+              x: torch.Tensor) -> torch.Tensor:
+    """`down_proj(act_fn(gate_up_proj(x)))` for an MLP whose activation is SiLU-and-mul. Where
+    the gate/up layer's decode GEMM table gives these rows the cluster GEMM with the activation
+    in its epilogue (an `Sm90GluConfig`), one launch for both (`sm90_gemm.gate_up_silu`, the
+    bits of the GEMM then the activation kernel); else `apply_down_proj`'s paths."""
+    if not batch_invariant.is_enabled():
+        config = _decode_choice(getattr(gate_up_proj, "decode_gemm", None), x, gate_up_proj.weight)
+        if isinstance(config, Sm90GluConfig):
+            from tandem.kernels.sm90_gemm import gate_up_silu
+
+            return down_proj(gate_up_silu(x, gate_up_proj.weight, gate_up_proj.bias, config))
+    return apply_down_proj(down_proj, act_fn, gate_up_proj(x))
 
 
 def apply_down_proj(down_proj: nn.Module, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:

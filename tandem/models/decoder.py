@@ -15,7 +15,7 @@ from torch import nn
 
 from tandem.layers.activation import SiluAndMul
 from tandem.layers.attention import Attention
-from tandem.layers.linear import Linear, LMHead, MergedLinear, QKVLinear, apply_down_proj
+from tandem.layers.linear import Linear, LMHead, MergedLinear, QKVLinear, apply_mlp
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 
@@ -75,7 +75,7 @@ class DecoderMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return apply_down_proj(self.down_proj, self.act_fn, self.gate_up_proj(x_TD))
+        return apply_mlp(self.gate_up_proj, self.act_fn, self.down_proj, x_TD)
 
 
 class DecoderLayer(nn.Module):

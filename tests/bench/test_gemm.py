@@ -139,3 +139,24 @@ def test_glu_candidates_count_output_columns_as_half_the_tile():
         tiles = 2 * -(-8960 // (c.block_n // 2))
         assert c.split_k == 1 or tiles * c.split_k <= 1.1 * 132
     assert any(c.block_n == 144 and c.cluster_m == 2 for c in configs)
+
+
+def test_the_fused_gate_up_competes_with_the_chosen_gemm_plus_the_activation():
+    """An `sm90-glu-best` row (its "cublas_us": cuBLAS's GEMM then the activation kernel) takes
+    the bucket only if it beats the GEMM the table chose plus the activation: here cuBLAS 20 us,
+    the activation 4 us (pair 24), the plain cluster GEMM 18 us: the fused one must beat 22."""
+    from tandem.bench.gemm import make_table
+
+    def rows(glu_us):
+        return [{"impl": "cublas", "M": 256, "N": 17920, "K": 1536, "us": 20.0},
+                {"impl": "sm90-glu-best", "M": 256, "N": 17920, "K": 1536, "us": glu_us,
+                 "cublas_us": 24.0, "speedup_vs_cublas": 24.0 / glu_us, "deterministic": True,
+                 "config": {"block_m": 128, "block_n": 144, "stages": 4, "cluster_m": 2, "split_k": 1}},
+                {"impl": "sm90-best", "M": 256, "N": 17920, "K": 1536, "us": 18.0, "cublas_us": 20.0,
+                 "speedup_vs_cublas": 20.0 / 18.0, "deterministic": True,
+                 "config": {"block_m": 128, "block_n": 96, "stages": 4, "cluster_m": 2, "split_k": 1}}]
+
+    won = make_table(rows(21.0), "NVIDIA H200", "bfloat16", margin=0.03)["shapes"]["17920,1536"][0]
+    assert won["backend"] == "sm90-glu" and won["activation_us"] == 4.0 and won["config"]["block_n"] == 144
+    lost = make_table(rows(22.5), "NVIDIA H200", "bfloat16", margin=0.03)["shapes"]["17920,1536"][0]
+    assert lost["backend"] == "sm90" and lost["config"]["block_n"] == 96

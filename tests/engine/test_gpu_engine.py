@@ -279,21 +279,27 @@ def test_gpu_smollm2_bf16_greedy_agrees_with_hf_bf16(smollm2_dir, switched_on, m
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="needs a Hopper GPU (sm_90)")
-def test_gpu_smollm2_on_the_cluster_gemm_agrees_with_hf_bf16(smollm2_dir, tmp_path):
+@pytest.mark.parametrize("fused_activation", [False, True])
+def test_gpu_smollm2_on_the_cluster_gemm_agrees_with_hf_bf16(smollm2_dir, tmp_path, fused_activation):
     """The same with every linear layer of the decode steps on Hopper's cluster GEMM
     (`kernels/sm90_gemm`, a table naming it up to 256 rows: 64-row tiles up to 64 rows, then
-    two 128-row tiles sharing each weight tile, K split where the default splits it)."""
+    two 128-row tiles sharing each weight tile, K split where the default splits it); and with
+    the MLP's gate/up GEMM computing SiLU-and-mul in its epilogue (`sm90-glu`)."""
     import json
     from dataclasses import asdict
 
     from tandem.bench.gemm import decode_shapes
     from tandem.kernels.sm90_gemm import default_config
 
-    shapes = [(s["N"], s["K"]) for s in decode_shapes(smollm2_dir)]
+    def entry(m, op, n, k):
+        glu = fused_activation and op == "gate_up"
+        return {"max_m": m, "backend": "sm90-glu" if glu else "sm90",
+                "config": asdict(default_config(m, n // 2 if glu else n, k, glu=glu))}
+
     table = tmp_path / "sm90.json"
     table.write_text(json.dumps({"device": "test", "dtype": "bfloat16", "shapes": {
-        f"{n},{k}": [{"max_m": m, "backend": "sm90", "config": asdict(default_config(m, n, k))}
-                     for m in (64, 256)] for n, k in shapes}}))
+        f"{s['N']},{s['K']}": [entry(m, s["op"], s["N"], s["K"]) for m in (64, 256)]
+        for s in decode_shapes(smollm2_dir)}}))
     _smollm2_greedy_against_hf(smollm2_dir, decode_gemm=str(table), min_gemm_layers=4 * 30)
 
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cuda_driver
-from tandem.kernels.sm90_gemm import (Sm90GemmConfig, _wgmma_source, default_config, gate_up_silu,
-                                      linear, source, unsupported)
+from tandem.kernels.sm90_gemm import (Sm90GemmConfig, Sm90GluConfig, _wgmma_source, default_config,
+                                      gate_up_silu, linear, source, unsupported)
 
 # Qwen2.5-1.5B's decode GEMMs (q/k/v, o, gate/up, down) and SmolLM2-135M's q/k/v: N, K
 SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (960, 576)]
@@ -133,7 +133,9 @@ def test_the_fused_activation_needs_whole_gate_columns():
     with pytest.raises(ValueError, match="block_n=136"):
         source(Sm90GemmConfig(128, 136), torch.bfloat16, False, glu=True)
     # the default for gate/up at 256 rows: 144 weight rows (72 output columns), 250 CTAs, 2 waves
-    assert default_config(256, 8960, 1536, glu=True) == Sm90GemmConfig(128, 144, 4, 2, 1)
+    assert default_config(256, 8960, 1536, glu=True) == Sm90GluConfig(128, 144, 4, 2, 1)
+    with pytest.raises(ValueError, match="block_n=136"):
+        Sm90GluConfig(128, 136)
 
 
 # --- on a Hopper GPU -----------------------------------------------------------------------

@@ -274,7 +274,7 @@ def test_sm90_entries_run_only_on_hopper_and_reach_the_kernel(monkeypatch):
     layer = Linear(32, 48, bias=True)
     assert apply_decode_gemm(torch.nn.ModuleList([layer]), parsed) == 0 and layer.decode_gemm is None
 
-    monkeypatch.setattr(decode_gemm, "_can_run_sm90", lambda layer: True)
+    monkeypatch.setattr(decode_gemm, "_can_run_sm90", lambda layer, glu=False: True)
     calls = []
     monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg: calls.append(cfg) or
                         torch.nn.functional.linear(x, w, b))
@@ -293,3 +293,49 @@ def test_sm90_needs_a_hopper_gpu_and_a_shape_it_takes():
         hopper = torch.cuda.get_device_capability() == (9, 0)
         assert _can_run_sm90(Linear(32, 48).cuda().to(torch.bfloat16)) == hopper
         assert not _can_run_sm90(Linear(32, 44).cuda().to(torch.bfloat16))  # N % 8
+
+
+def test_an_mlp_whose_gate_up_entry_fuses_the_activation_runs_one_launch_for_both(monkeypatch):
+    """`apply_mlp`: where the gate/up layer's entry for the rows is `sm90-glu`, the fused kernel
+    (here a stand-in computing the same thing) then the down projection; other rows, autograd
+    and the batch-invariant mode take the unfused path; called alone, the layer runs the plain
+    cluster GEMM with that config (the same product, no activation)."""
+    from tandem.kernels import sm90_gemm
+    from tandem.kernels.sm90_gemm import Sm90GluConfig
+    from tandem.layers import decode_gemm
+    from tandem.layers import linear as linear_layers
+    from tandem.layers.activation import SiluAndMul
+    from tandem.layers.linear import MergedLinear
+
+    glu = {"block_m": 128, "block_n": 144, "stages": 4, "cluster_m": 2, "split_k": 1}
+    raw = {"shapes": {"48,32": [{"max_m": 8, "backend": "sm90-glu", "config": glu}]}}
+    parsed = parse_table(raw)
+    assert pick(parsed[(48, 32)], 8) == Sm90GluConfig(**glu)
+    gate_up, down, act = MergedLinear(32, [24, 24], [0, 1], False), Linear(24, 32), SiluAndMul()
+    assert apply_decode_gemm(torch.nn.ModuleList([gate_up]), parsed) == 0  # the CPU: unfused
+
+    monkeypatch.setattr(decode_gemm, "_can_run_sm90", lambda layer, glu=False: glu)
+    calls = []
+
+    def fused(x, w, b, cfg):
+        calls.append((x.shape[0], cfg))
+        return act(torch.nn.functional.linear(x, w, b))
+
+    monkeypatch.setattr(sm90_gemm, "gate_up_silu", fused)
+    monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg: calls.append(("plain", cfg)) or
+                        torch.nn.functional.linear(x, w, b))
+    assert apply_decode_gemm(torch.nn.ModuleList([gate_up]), parsed) == 1
+    with torch.no_grad():
+        x = torch.randn(5, 32)
+        want = down(act(torch.nn.functional.linear(x, gate_up.weight)))
+        torch.testing.assert_close(linear_layers.apply_mlp(gate_up, act, down, x), want)
+        assert calls == [(5, Sm90GluConfig(**glu))]
+        linear_layers.apply_mlp(gate_up, act, down, torch.randn(9, 32))  # past the bucket
+        assert len(calls) == 1
+        gate_up(x)  # the layer alone: the plain kernel
+        assert calls[-1] == ("plain", Sm90GluConfig(**glu))
+    linear_layers.apply_mlp(gate_up, act, down, torch.randn(5, 32, requires_grad=True)).sum().backward()
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="block_n=136"):
+        parse_table({"shapes": {"48,32": [{"max_m": 8, "backend": "sm90-glu",
+                                            "config": {**glu, "block_n": 136, "cluster_m": 1}}]}})
