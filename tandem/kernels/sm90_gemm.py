@@ -15,6 +15,8 @@ A config names the tile (64 or 128 rows: one or two consumer warpgroups; `block_
 pipeline depth, how many M tiles share each weight tile by multicast (`cluster_m`) and the K
 splits (`split_k`, reduced in the cluster, in split order: the same bits on every run). Needs
 compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
+`gate_up_silu` is the same GEMM for an MLP's merged gate/up weight with SiLU-and-mul in its
+epilogue (an `Sm90GluConfig`: a table entry `sm90-glu`, run by `layers.linear.apply_mlp`).
 """
 
 from __future__ import annotations
