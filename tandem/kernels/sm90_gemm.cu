@@ -16,9 +16,9 @@
 // then that kernel). A tile's B rows are BN/2 gate rows, then the same BN/2 columns' up rows.
 //
 // The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS,
-// CLUSTER_M, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU and the function wgmma_tile() for BN. Grid:
-// (M tiles, N tiles, SPLIT_K), cluster (CLUSTER_M, 1, SPLIT_K). No #include: NVRTC compiles it
-// at run time.
+// CLUSTER_M, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
+// never ends traps) and the function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
+// cluster (CLUSTER_M, 1, SPLIT_K). No #include: NVRTC compiles it at run time.
 
 typedef unsigned short elem_t;  // the bits of a bf16 or fp16
 typedef unsigned int u32;
