@@ -131,6 +131,14 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
 
+// Programmatic dependent launch: the next kernel, if launched that way, may place its CTAs on the
+// SMs from here on (they still wait for this grid to finish before reading what it wrote). Called
+// once the loads are issued and the products done, so they fill the SMs this grid's epilogue and
+// exit leave free instead of waiting for the whole grid; a no-op otherwise.
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // A consumer warpgroup is done with a stage: one arrival on its "empty" barrier in every CTA of
 // the multicast group (each of them loads a share of the stage's weight tile into this CTA).
 __device__ __forceinline__ void release(u32 empty, u32 split) {
@@ -267,6 +275,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
 #endif
         }
       }
+      launch_dependents();
 #if CLUSTER_M > 1 && SPLIT_K == 1
       // Leave only once every consumer in the group has released every stage: no arrival may
       // reach a CTA that has exited, and no CTA may exit while its multicast to the others is
@@ -296,6 +305,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
       if (i > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (i - 1) % STAGES), split);
     }
     wgmma_wait<0>();
+    launch_dependents();
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[j]) :: "memory");
     // The last stage is released after the epilogue's stores, where a multicast group needs it

@@ -98,7 +98,8 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     width) waited for once a k block and once at the end, not after each (ptxas serializes them
     when other code writes their accumulators inside the pipeline: warning C7515); TMA loads,
     multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop;
-    with the activation, its exponential (MUFU.EX2) in the epilogue."""
+    with the activation, its exponential (MUFU.EX2) in the epilogue; programmatic dependent
+    launch's wait (ACQBULK) and trigger (PREEXIT)."""
     src = source(cfg, dtype, bias, glu)
     usage = cuda_driver.ptxas_resource_usage(src)
     assert "C7515" not in usage and "0 bytes spill stores" in usage, usage
@@ -113,6 +114,7 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     loop = sass[sass.index("HGMMA"):sass.rindex("WARPGROUP.DEPBAR.LE gsb0, 0x0")]
     assert "MEMBAR" not in loop
     assert ("MUFU.EX2" in sass) == glu
+    assert "ACQBULK" in sass and "PREEXIT" in sass  # PDL: waits for the kernel before, lets the next start
 
 
 @pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
