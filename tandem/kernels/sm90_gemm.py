@@ -132,19 +132,23 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_config(M: int, N: int, K: int, sms: int = 132, glu: bool = False) -> Sm90GemmConfig:
-    """Tiles as tall as the rows allow (64 or 128), two M tiles sharing each weight tile where
-    there are two, and the tile width (128, 96 or 64 columns; with `glu`, 256, 192, 144, 128 or
-    96 weight rows for half as many output columns) whose K splits (at most a cluster of 8 CTAs,
-    each split at least 2 blocks of K) keep the SMs busiest: CTAs over whole waves of `sms`."""
+    """Tiles as tall as the rows allow (64 or 128), and the tile width (128, 96 or 64 columns;
+    with `glu`, 256, 192, 144, 128 or 96 weight rows for half as many output columns) whose K
+    splits (each at least 2 blocks of K; at most 8 to a cluster with 64-row tiles, 4 with 128-row
+    ones) keep the SMs busiest: CTAs over whole waves of `sms`. No multicast: on an H200
+    (2026-12-05, `bench gemm`) every config sharing a weight tile between two M tiles ran slower
+    than the same without, and clusters of 8 one-CTA-an-SM blocks (128-row tiles) up to 2x slower
+    than clusters of 4 (fewer of them fit at once)."""
     block_m = 64 if M <= 64 else 128
     tiles_m = -(-M // block_m)
-    cluster_m = 2 if tiles_m % 2 == 0 else 1
+    cluster_m = 1
+    max_cluster = 8 if block_m == 64 else 4
     k_blocks = -(-K // BLOCK_K)
     best = None
     for block_n in ((256, 192, 144, 128, 96) if glu else (128, 96, 64)):
-        tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // (block_n // 2 if glu else block_n))
+        tiles = tiles_m * -(-N // (block_n // 2 if glu else block_n))
         split = 1
-        while (split * 2 * cluster_m <= 8 and tiles * split * 2 <= sms
+        while (split * 2 <= max_cluster and tiles * split * 2 <= sms
                and k_blocks // (split * 2) >= 2):
             split *= 2
         ctas = tiles * split
