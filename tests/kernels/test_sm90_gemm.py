@@ -242,3 +242,51 @@ def test_gate_up_silu_is_the_gemm_then_the_activation_kernel(cfg, dtype, bias, M
         gate_up = x.float() @ w.float().t() + (b.float() if b is not None else 0)
         want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
         torch.testing.assert_close(y.float(), want, atol=0.05, rtol=0.02)
+
+
+def shipped_configs() -> list[tuple[Sm90GemmConfig, bool]]:
+    """Each distinct cluster GEMM config of the tables under tandem/kernels/configs (the engine's
+    `decode_gemm="auto"`), with whether its entry fuses the activation."""
+    import glob
+    import json
+    import os
+
+    from tandem.layers.decode_gemm import CONFIG_DIR
+
+    found = set()
+    for path in sorted(glob.glob(os.path.join(CONFIG_DIR, "decode_gemm_*.json"))):
+        with open(path) as f:
+            for entries in json.load(f)["shapes"].values():
+                for e in entries:
+                    if e["backend"] in ("sm90", "sm90-glu"):
+                        found.add((Sm90GemmConfig(**e["config"]), e["backend"] == "sm90-glu"))
+    return sorted(found, key=str)
+
+
+@pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
+                    reason="needs nvcc and cuobjdump")
+def test_every_shipped_config_compiles_clean():
+    configs = shipped_configs()
+    assert configs  # the H200 table names some (2026-12-05)
+    for cfg, glu in configs:
+        src = source(cfg, torch.bfloat16, False, glu)
+        usage = cuda_driver.ptxas_resource_usage(src)
+        assert "C7515" not in usage and "0 bytes spill stores" in usage, (cfg, usage)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_every_shipped_config_matches_the_fp32_product():
+    """A config no test ran cannot reach an engine: each shipped one at its bucket's rows and a
+    few past a tile, with a bias; the fused ones against the GEMM then the activation kernel."""
+    from tandem.kernels.activation import silu_and_mul
+
+    for cfg, glu in shipped_configs():
+        for M in (1, cfg.block_m - 1, cfg.block_m + 3):
+            if glu:
+                x, w, b = operands(M, 2 * 1000, 1536, torch.bfloat16)
+                plain = Sm90GemmConfig(cfg.block_m, 64, 4, 1, cfg.split_k)
+                assert torch.equal(gate_up_silu(x, w, b, cfg), silu_and_mul(linear(x, w, b, plain)))
+            else:
+                x, w, b = operands(M, 1000, 1536, torch.bfloat16)
+                assert_close_to_fp32(linear(x, w, b, cfg), x, w, b)
