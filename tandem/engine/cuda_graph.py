@@ -187,7 +187,9 @@ class CUDAGraphRunner:
             assert self._order_rows == bs, f"no order written for {bs} rows (last: {self._order_rows})"
             return
         order = torch.from_numpy(launch_order(seq_lens_cpu, bs, *self._order_shape, self.decode_order.device))
-        self.decode_order[:bs].copy_(order.pin_memory(), non_blocking=True)
+        if self.decode_order.is_cuda:  # (a CPU runner, in tests, has no pinned memory)
+            order = order.pin_memory()
+        self.decode_order[:bs].copy_(order, non_blocking=True)
         self._order_rows = bs
 
     def run_mixed(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
