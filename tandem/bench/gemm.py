@@ -172,16 +172,20 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
 
 
 def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
-                    widths: tuple[int, ...] | None = None) -> list[Sm90GemmConfig]:
+                    glu: bool = False) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
     tile widths x multicast groups x K splits (a split only within one wave of CTAs, at most 8 to
-    a cluster, at least two 64-deep blocks of K each) x pipeline depths. `widths` (weight rows a
-    tile; with the activation fused, for N output columns, half of them are output columns)."""
+    a cluster, at least two 64-deep blocks of K each) x pipeline depths. With `glu` (gate/up with
+    the activation fused, N output columns) the widths count weight rows, half of them gate rows."""
     block_m = 64 if M <= 64 else 128
     tiles_m = -(-M // block_m)
-    glu = widths is not None
-    configs = [] if glu else [sm90_gemm.default_config(M, N, K, sms)]
-    for block_n in widths or ((64, 96, 128, 256) if quick else (64, 96, 128, 160, 192, 256)):
+    config_type = Sm90GluConfig if glu else Sm90GemmConfig
+    configs = [sm90_gemm.default_config(M, N, K, sms, glu=glu)]
+    if glu:
+        widths = (96, 128, 144, 192, 256)
+    else:
+        widths = (64, 96, 128, 256) if quick else (64, 96, 128, 160, 192, 256)
+    for block_n in widths:
         for cluster_m in ((1, 2) if tiles_m > 1 else (1,)):
             tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // (block_n // 2 if glu else block_n))
             for split in (1, 2, 3, 4, 6, 8):
@@ -190,7 +194,7 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                     continue
                 for stages in ((4,) if quick else (3, 4, 6)):
                     try:
-                        configs.append(Sm90GemmConfig(block_m, block_n, stages, cluster_m, split))
+                        configs.append(config_type(block_m, block_n, stages, cluster_m, split))
                     except ValueError:  # e.g. more shared memory than a block gets
                         continue
     return list(dict.fromkeys(configs))
@@ -240,10 +244,7 @@ def study_glu(bench, shape, M, x, sms, args) -> list[dict]:
     want = cublas_then_activation(x, bench.weights[0], bench.bias).float()
     tol = 0.02 * want.abs().max().item() + 1e-3
     rows = [row(shape, M, "cublas+silu", pair, bench.w_bytes, args.hbm, args.flops)]
-    configs = [sm90_gemm.default_config(M, shape["N"] // 2, shape["K"], sms, glu=True)]
-    configs += [Sm90GluConfig(**asdict(c)) for c in sm90_candidates(
-        M, shape["N"] // 2, shape["K"], sms, args.quick, widths=(96, 128, 144, 192, 256))
-        if c.block_n % 16 == 0]
+    configs = sm90_candidates(M, shape["N"] // 2, shape["K"], sms, args.quick, glu=True)
     return rows + sweep(bench, shape, M, x, want, tol, pair, args, "sm90-glu", configs,
                         sm90_gemm.gate_up_silu, Sm90GluConfig)
 
