@@ -23,6 +23,7 @@ starts it from an earlier table, so new buckets can be measured alone. Ends with
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import tempfile
@@ -174,29 +175,32 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
 def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                     glu: bool = False) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
-    tile widths x multicast groups x K splits (a split only within one wave of CTAs, at most 8 to
-    a cluster, at least two 64-deep blocks of K each) x pipeline depths. With `glu` (gate/up with
-    the activation fused, N output columns) the widths count weight rows, half of them gate rows."""
-    block_m = 64 if M <= 64 else 128
-    tiles_m = -(-M // block_m)
+    tile heights (64 rows up to 64; 128 and, past 128, every row in one tile: 192 or 256) x tile
+    widths x multicast groups (of the weight tile across M tiles, or of the x tile across N
+    tiles) x K splits (a split only within one wave of CTAs, at least two 64-deep blocks of K
+    each) x pipeline depths. With `glu` (gate/up with the activation fused, N output columns) the
+    widths count weight rows, half of them gate rows."""
     config_type = Sm90GluConfig if glu else Sm90GemmConfig
     configs = [sm90_gemm.default_config(M, N, K, sms, glu=glu)]
     if glu:
         widths = (96, 128, 144, 192, 256)
-    else:
-        widths = (64, 96, 128, 256) if quick else (64, 96, 128, 160, 192, 256)
-    for block_n in widths:
-        for cluster_m in ((1, 2) if tiles_m > 1 else (1,)):
-            tiles = -(-tiles_m // cluster_m) * cluster_m * -(-N // (block_n // 2 if glu else block_n))
-            for split in (1, 2, 3, 4, 6, 8):
-                if (cluster_m * split > 8 or -(-K // 64) < 2 * split
-                        or (split > 1 and tiles * split > 1.1 * sms) or tiles * split > 4 * sms):
+    else:  # 136: 132 tiles of Qwen2.5-1.5B's gate/up, one wave of an H100's or H200's SMs
+        widths = (64, 96, 128, 136, 256) if quick else (64, 96, 128, 136, 160, 192, 256)
+    heights = [64] if M <= 64 else [128] if M <= 128 else [128, 192, 256] if M <= 192 else [128, 256]
+    for block_m, block_n in itertools.product(heights, widths):
+        tiles_m = -(-M // block_m)
+        tiles_n = -(-N // (block_n // 2 if glu else block_n))
+        groups = [(1, 1)] + [(c, 1) for c in (2,) if tiles_m > 1] + [(1, c) for c in (2, 4) if tiles_n >= c]
+        for (cluster_m, cluster_n), split in itertools.product(groups, (1, 2, 3, 4, 6, 8)):
+            tiles = -(-tiles_m // cluster_m) * cluster_m * -(-tiles_n // cluster_n) * cluster_n
+            if (cluster_m * cluster_n * split > 8 or -(-K // 64) < 2 * split
+                    or (split > 1 and tiles * split > 1.1 * sms) or tiles * split > 4 * sms):
+                continue
+            for stages in ((4,) if quick else (3, 4, 6)):
+                try:
+                    configs.append(config_type(block_m, block_n, stages, cluster_m, split, cluster_n))
+                except ValueError:  # e.g. more shared memory than a block gets
                     continue
-                for stages in ((4,) if quick else (3, 4, 6)):
-                    try:
-                        configs.append(config_type(block_m, block_n, stages, cluster_m, split))
-                    except ValueError:  # e.g. more shared memory than a block gets
-                        continue
     return list(dict.fromkeys(configs))
 
 
@@ -410,6 +414,19 @@ def main() -> None:
     if args.table_merge:
         with open(args.table_merge) as f:
             base = json.load(f)
+    if "sm90" not in args.skip and sm90_gemm.device_supported(torch.device("cuda")):
+        variants = []
+        for model in args.models:
+            for shape in decode_shapes(model):
+                if shape["op"] in args.ops and sm90_gemm.unsupported(shape["N"], shape["K"], dtype) is None:
+                    for M in args.rows:
+                        variants += [(c, dtype, shape["bias"], False) for c in sm90_candidates(
+                            M, shape["N"], shape["K"], props.multi_processor_count, args.quick)]
+                        if shape["op"] == "gate_up":
+                            variants += [(c, dtype, shape["bias"], True) for c in sm90_candidates(
+                                M, shape["N"] // 2, shape["K"], props.multi_processor_count, args.quick,
+                                glu=True)]
+        print(f"cluster GEMM: {sm90_gemm.precompile(variants)} kernels compiled", flush=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:

@@ -3,12 +3,18 @@
 //
 // What cuBLAS's kernels have and Triton 3.6 does not expose: thread-block clusters. The CTAs of a
 // cluster that compute the same weight columns for different rows get the weight tile by one TMA
-// multicast (each issues a share of its rows; every CTA receives all of it), and the CTAs that
-// split K reduce their fp32 partial sums through distributed shared memory: no workspace, no
+// multicast (each issues a share of its rows; every CTA receives all of it), the CTAs that
+// compute the same rows for different weight columns get the x tile the same way, and the CTAs
+// that split K reduce their fp32 partial sums through distributed shared memory: no workspace, no
 // second kernel, no counters. Each CTA: one producer warpgroup (one thread issues the TMA loads
-// into a ring of STAGES shared-memory stages) and CONSUMERS warpgroups of 64 rows each issuing
-// wgmma from those stages. Every reduction adds the splits in split order: the same bits on every
-// run of a config.
+// into a ring of STAGES shared-memory stages) and CONSUMERS (1-4) warpgroups of 64 rows each
+// issuing wgmma from those stages. Every reduction adds the splits in split order: the same bits
+// on every run of a config.
+//
+// Cluster layout: x the CLUSTER_M CTAs sharing a weight tile (M tiles), y the CLUSTER_N sharing
+// an x tile (N tiles), z the SPLIT_K splits of K. A stage of a CTA is written by the CTAs of its
+// cluster row and column (its weight and x providers): each consumer warpgroup releases a stage
+// to all of them, CLUSTER_M + CLUSTER_N - 1 CTAs.
 //
 // GLU: w is an MLP's merged [gate; up] weight ([2N, K]) and the output silu(x @ gate^T) * (x @ up^T)
 // ([M, N]), each product rounded to the element type first and the activation computed with the
@@ -16,9 +22,9 @@
 // then that kernel). A tile's B rows are BN/2 gate rows, then the same BN/2 columns' up rows.
 //
 // The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS,
-// CLUSTER_M, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
+// CLUSTER_M, CLUSTER_N, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
 // never ends traps) and the function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
-// cluster (CLUSTER_M, 1, SPLIT_K). No #include: NVRTC compiles it at run time.
+// cluster (CLUSTER_M, CLUSTER_N, SPLIT_K). No #include: NVRTC compiles it at run time.
 
 typedef unsigned short elem_t;  // the bits of a bf16 or fp16
 typedef unsigned int u32;
@@ -36,6 +42,8 @@ struct __align__(64) TmaDesc { u64 opaque[16]; };  // a CUtensorMap, passed by v
 #define RED_BYTES (SPLIT_K > 1 ? BM * RED_STRIDE * 4 : 0)
 #define DATA_BYTES (PIPE_BYTES > RED_BYTES ? PIPE_BYTES : RED_BYTES)
 #define B_SHARE (BN / CLUSTER_M)  // weight rows each CTA of a multicast group loads
+#define A_SHARE (BM / CLUSTER_N)  // x rows each CTA of a multicast group loads
+#define MULTICAST (CLUSTER_M * CLUSTER_N > 1)
 #define OUT_BN (GLU ? BN / 2 : BN)  // output columns a tile
 #define W_BOX (GLU && B_SHARE > BN / 2 ? BN / 2 : B_SHARE)  // weight rows a TMA box (within a half)
 
@@ -49,6 +57,17 @@ __device__ __forceinline__ u32 cluster_ctaid_x() {
   u32 v;
   asm volatile("mov.u32 %0, %%cluster_ctaid.x;" : "=r"(v));
   return v;
+}
+
+__device__ __forceinline__ u32 cluster_ctaid_y() {
+  u32 v;
+  asm volatile("mov.u32 %0, %%cluster_ctaid.y;" : "=r"(v));
+  return v;
+}
+
+// The rank in the cluster of the CTA at (x, y, split): x fastest.
+__device__ __forceinline__ u32 rank_of(u32 x, u32 y, u32 split) {
+  return x + CLUSTER_M * (y + CLUSTER_N * split);
 }
 
 __device__ __forceinline__ void cluster_sync() {  // every thread of every CTA in the cluster
@@ -139,10 +158,13 @@ __device__ __forceinline__ void launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// A consumer warpgroup is done with a stage: one arrival on its "empty" barrier in every CTA of
-// the multicast group (each of them loads a share of the stage's weight tile into this CTA).
-__device__ __forceinline__ void release(u32 empty, u32 split) {
-  for (u32 r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(empty, split * CLUSTER_M + r);
+// A consumer warpgroup is done with a stage: one arrival on its "empty" barrier in every CTA
+// that loads a share of the stage into this CTA: its cluster row (the weight tile's shares) and
+// column (the x tile's), this CTA once.
+__device__ __forceinline__ void release(u32 empty, u32 cx, u32 cy, u32 split) {
+  for (u32 r = 0; r < CLUSTER_M; ++r) mbar_arrive_cluster(empty, rank_of(r, cy, split));
+  for (u32 q = 0; q < CLUSTER_N; ++q)
+    if (q != cy) mbar_arrive_cluster(empty, rank_of(cx, q, split));
 }
 
 __device__ __forceinline__ float elem_to_float(elem_t v) {
@@ -194,9 +216,9 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return v;
 }
 
-// Four consecutive partial sums at `at` summed over the splits (the CTAs cx + s * CLUSTER_M of the
-// cluster), in split order.
-__device__ __forceinline__ void sum_splits(u32 at, u32 cx, float (&v)[4]) {
+// Four consecutive partial sums at `at` summed over the splits (the CTAs at (cx, cy) of the
+// cluster's splits), in split order.
+__device__ __forceinline__ void sum_splits(u32 at, u32 cx, u32 cy, float (&v)[4]) {
   v[0] = v[1] = v[2] = v[3] = 0.f;
   for (int s = 0; s < SPLIT_K; ++s) {
     float p0, p1, p2, p3;
@@ -204,7 +226,7 @@ __device__ __forceinline__ void sum_splits(u32 at, u32 cx, float (&v)[4]) {
         "{\n\t.reg .b32 r;\n\t"
         "mapa.shared::cluster.u32 r, %4, %5;\n\t"
         "ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [r];\n\t}"
-        : "=f"(p0), "=f"(p1), "=f"(p2), "=f"(p3) : "r"(at), "r"(cx + s * CLUSTER_M) : "memory");
+        : "=f"(p0), "=f"(p1), "=f"(p2), "=f"(p3) : "r"(at), "r"(rank_of(cx, cy, s)) : "memory");
     v[0] += p0;
     v[1] += p1;
     v[2] += p2;
@@ -221,6 +243,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
   const int tid = threadIdx.x;
   const int wg = tid / 128;  // 0: the producer; 1..CONSUMERS: 64 rows each
   const u32 cx = cluster_ctaid_x();  // among the CTAs sharing the weight tile
+  const u32 cy = cluster_ctaid_y();  // among the CTAs sharing the x tile
   const u32 split = blockIdx.z;      // the cluster spans every split: its z position
   const int m0 = blockIdx.x * BM, n0 = blockIdx.y * OUT_BN;
   const int num_kb = (K + BK - 1) / BK;
@@ -231,14 +254,14 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(bars + 8 * s, 1);  // the producer's arrival + the stage's bytes
-      mbar_init(bars + 8 * (STAGES + s), CONSUMERS * CLUSTER_M);  // every CTA reading it is done
+      mbar_init(bars + 8 * (STAGES + s), CONSUMERS * (CLUSTER_M + CLUSTER_N - 1));  // all its readers done
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Programmatic dependent launch: the previous kernel's writes are visible past this point (a
   // no-op when not launched that way).
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#if CLUSTER_M * SPLIT_K > 1
+#if CLUSTER_M * CLUSTER_N * SPLIT_K > 1
   // every CTA's barriers are initialised (the fence above) before any multicast or remote arrival
   asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
 #else
@@ -249,8 +272,12 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     if (tid == 0) {
       asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_x) : "memory");
       asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_w) : "memory");
-#if CLUSTER_M > 1
-      const unsigned short group = (unsigned short)(((1u << CLUSTER_M) - 1) << (split * CLUSTER_M));
+#if CLUSTER_M > 1  // the cluster row: the CTAs computing these columns for other rows
+      const unsigned short group = (unsigned short)(((1u << CLUSTER_M) - 1) << rank_of(0, cy, split));
+#endif
+#if CLUSTER_N > 1  // the cluster column: the CTAs computing these rows for other columns
+      unsigned short x_group = 0;
+      for (u32 q = 0; q < CLUSTER_N; ++q) x_group |= (unsigned short)(1u << rank_of(cx, q, split));
 #endif
       for (int i = 0; i < nkb; ++i) {
         const int s = i % STAGES;
@@ -259,7 +286,11 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         mbar_expect_tx(full, STAGE_BYTES);
         const u32 a = base + s * STAGE_BYTES;
         const int k = (kb_lo + i) * BK;
+#if CLUSTER_N > 1  // this CTA's share of the x tile, into every CTA of the column
+        tma_load_multicast(a + cy * A_SHARE * BK * 2, &tmap_x, full, k, m0 + cy * A_SHARE, x_group);
+#else
         tma_load(a, &tmap_x, full, k, m0);
+#endif
 #pragma unroll
         for (int q = 0; q < B_SHARE / W_BOX; ++q) {  // this CTA's share of the weight tile
           const int r = cx * B_SHARE + q * W_BOX;      // its first row in the tile
@@ -276,8 +307,8 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         }
       }
       launch_dependents();
-#if CLUSTER_M > 1 && SPLIT_K == 1
-      // Leave only once every consumer in the group has released every stage: no arrival may
+#if MULTICAST && SPLIT_K == 1
+      // Leave only once every consumer it loads into has released every stage: no arrival may
       // reach a CTA that has exited, and no CTA may exit while its multicast to the others is
       // in flight (a peer releases a block only after it received it). The loop waited for
       // blocks up to nkb - 1 - STAGES; here the rest. Split, the cluster barrier below does it.
@@ -302,7 +333,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
       for (int kk = 0; kk < BK / 16; ++kk) wgmma_tile(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32));
       wgmma_commit();
       wgmma_wait<1>();  // the previous block's products are done: its stage may be refilled
-      if (i > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (i - 1) % STAGES), split);
+      if (i > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (i - 1) % STAGES), cx, cy, split);
     }
     wgmma_wait<0>();
     launch_dependents();
@@ -342,8 +373,8 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         }
       }
     }
-#if CLUSTER_M > 1  // the group's producers wait for it before they exit (below)
-    if (nkb > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (nkb - 1) % STAGES), split);
+#if MULTICAST  // the providers wait for it before they exit (above)
+    if (nkb > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (nkb - 1) % STAGES), cx, cy, split);
 #endif
 #else
     // Partial sums into this CTA's shared memory, over the stages: every stage's loads have
@@ -372,13 +403,13 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     const int m = m0 + r, n = n0 + col;
     if (m >= M || n >= N) continue;  // N is a multiple of 4: the four columns are in
     float v[4];
-    sum_splits(base + (r * RED_STRIDE + col) * 4, cx, v);
+    sum_splits(base + (r * RED_STRIDE + col) * 4, cx, cy, v);
 #if HAS_BIAS
     for (int e = 0; e < 4; ++e) v[e] += elem_to_float(bias[n + e]);
 #endif
 #if GLU
     float u[4];
-    sum_splits(base + (r * RED_STRIDE + col + BN / 2) * 4, cx, u);
+    sum_splits(base + (r * RED_STRIDE + col + BN / 2) * 4, cx, cy, u);
     for (int e = 0; e < 4; ++e) {
 #if HAS_BIAS
       u[e] += elem_to_float(bias[N + n + e]);

@@ -11,10 +11,12 @@ cuBLAS's separate reduction kernel. The decode GEMM table (`tandem.layers.decode
 per shape and row bucket only where `python -m tandem.bench.gemm` measured it faster than cuBLAS
 and bit-stable; nothing runs it by default.
 
-A config names the tile (64 or 128 rows: one or two consumer warpgroups; `block_n` columns), the
-pipeline depth, how many M tiles share each weight tile by multicast (`cluster_m`) and the K
-splits (`split_k`, reduced in the cluster, in split order: the same bits on every run). Needs
-compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
+A config names the tile (64, 128, 192 or 256 rows: one to four consumer warpgroups; `block_n`
+columns, as many as the accumulators' registers allow), the pipeline depth, how many M tiles
+share each weight tile by multicast (`cluster_m`), how many N tiles share each x tile
+(`cluster_n`: every N tile reads all of x from L2, at 256 rows twice the weight's own bytes on
+Qwen2.5-1.5B's gate/up with 128-wide tiles) and the K splits (`split_k`, reduced in the cluster,
+in split order: the same bits on every run). Needs compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
 `gate_up_silu` is the same GEMM for an MLP's merged gate/up weight with SiLU-and-mul in its
 epilogue (an `Sm90GluConfig`: a table entry `sm90-glu`, run by `layers.linear.apply_mlp`).
 """
@@ -49,20 +51,30 @@ class Sm90GemmConfig:
     stages: int = 4
     cluster_m: int = 1  # M tiles sharing each weight tile by TMA multicast
     split_k: int = 1  # K splits, one cluster, reduced through distributed shared memory
+    cluster_n: int = 1  # N tiles sharing each x tile by TMA multicast
 
     def __post_init__(self):
         problems = []
-        if self.block_m not in (64, 128):
-            problems.append(f"block_m={self.block_m} (64 or 128: one or two warpgroups of 64 rows)")
+        if self.block_m not in (64, 128, 192, 256):
+            problems.append(f"block_m={self.block_m} (64, 128, 192 or 256: one to four warpgroups "
+                            "of 64 rows)")
         if not (8 <= self.block_n <= 256 and self.block_n % 8 == 0):
             problems.append(f"block_n={self.block_n} (a multiple of 8 from 8 to 256: wgmma's n)")
         if self.cluster_m not in (1, 2, 4) or (self.block_n // self.cluster_m) % 8:
             problems.append(f"cluster_m={self.cluster_m} (1, 2 or 4, each CTA's share of block_n "
                             "a multiple of 8 rows)")
+        if self.block_n // 2 > self.launch_registers - 28:
+            problems.append(f"block_n={self.block_n} with block_m={self.block_m} (its "
+                            f"{self.block_n // 2} accumulators a thread and the kernel's ~28 other "
+                            f"registers exceed the {self.launch_registers} a thread of "
+                            f"{self.threads} threads: at most {2 * (self.launch_registers - 28)})")
+        if self.cluster_n not in (1, 2, 4) or (self.block_m // self.cluster_n) % 8:
+            problems.append(f"cluster_n={self.cluster_n} (1, 2 or 4, each CTA's share of block_m "
+                            "a multiple of 8 rows)")
         if not 1 <= self.split_k <= 16:
             problems.append(f"split_k={self.split_k} (1 to 16)")
-        if self.cluster_m * self.split_k > 16:
-            problems.append(f"cluster_m x split_k = {self.cluster_m * self.split_k} (a cluster "
+        if self.cluster_size > 16:
+            problems.append(f"cluster_m x cluster_n x split_k = {self.cluster_size} (a cluster "
                             "holds at most 16 CTAs)")
         if self.stages < 2:
             problems.append(f"stages={self.stages} (at least 2)")
@@ -81,8 +93,13 @@ class Sm90GemmConfig:
         return 128 * (self.consumers + 1)
 
     @property
+    def launch_registers(self) -> int:
+        """Registers a thread gets with one block an SM (65,536 a block, 8 at a time, <= 255)."""
+        return min(255, 65536 // self.threads // 8 * 8)
+
+    @property
     def cluster_size(self) -> int:
-        return self.cluster_m * self.split_k
+        return self.cluster_m * self.cluster_n * self.split_k
 
     def shared_bytes(self) -> int:
         """The kernel's dynamic shared memory: the stages (or, split, the partial sums laid over
@@ -165,7 +182,8 @@ def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = 
                          "columns) must be a multiple of 8")
     t = _DTYPES[dtype]
     macros = {"BM": cfg.block_m, "BN": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
-              "CLUSTER_M": cfg.cluster_m, "SPLIT_K": cfg.split_k, "HAS_BIAS": int(has_bias),
+              "CLUSTER_M": cfg.cluster_m, "CLUSTER_N": cfg.cluster_n, "SPLIT_K": cfg.split_k,
+              "HAS_BIAS": int(has_bias),
               "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG)}
     head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
     with open(_SOURCE) as f:
@@ -189,6 +207,31 @@ def _wgmma_source(n: int, t: str) -> str:
         f"               : {outs}\n"
         f'               : "l"(desc_a), "l"(desc_b), "r"(1));\n'
         "}\n")
+
+
+def _compile(src: str) -> None:
+    from tandem.kernels import cuda_driver
+
+    cuda_driver.compile_cubin(src)
+
+
+def precompile(variants, jobs: int | None = None) -> int:
+    """Compile the kernels of `variants` ((config, dtype, has_bias, glu) each) into the disk cache
+    in `jobs` processes (default: one a CPU), so a sweep over hundreds of configs does not compile
+    them one by one; a variant NVRTC rejects is left for its own launch to report. Returns how
+    many sources there were."""
+    import concurrent.futures
+    import multiprocessing
+
+    sources = list(dict.fromkeys(source(c, dt, b, g) for c, dt, b, g in variants))
+    jobs = jobs or os.cpu_count() or 1
+    if len(sources) < 2 or jobs < 2:
+        return len(sources)
+    with concurrent.futures.ProcessPoolExecutor(
+            min(jobs, len(sources)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in [pool.submit(_compile, src) for src in sources]:
+            f.exception()  # (the launch compiles it again and raises)
+    return len(sources)
 
 
 @functools.cache
@@ -262,12 +305,15 @@ def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
     tiles_m = -(-M // cfg.block_m)
     tiles_m = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m  # whole clusters (extra tiles: rows >= M)
     out_cols = cfg.block_n // 2 if glu else cfg.block_n
+    tiles_n = -(-N // out_cols)
+    tiles_n = -(-tiles_n // cfg.cluster_n) * cfg.cluster_n  # (extra tiles: columns >= N)
     share = cfg.block_n // cfg.cluster_m
     w_box = min(share, cfg.block_n // 2) if glu else share  # the kernel's W_BOX
-    args = [_tensor_map(x2, cfg.block_m), _tensor_map(weight, w_box), out,
+    args = [_tensor_map(x2, cfg.block_m // cfg.cluster_n), _tensor_map(weight, w_box), out,
             bias if bias is not None else weight, ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
     _kernel(cfg, x.dtype, bias is not None, glu).launch(
-        (tiles_m, -(-N // out_cols), cfg.split_k), (cfg.threads, 1, 1), args,
-        shared_mem=cfg.shared_bytes(), cluster=(cfg.cluster_m, 1, cfg.split_k), pdl=pdl.enabled(x2),
+        (tiles_m, tiles_n, cfg.split_k), (cfg.threads, 1, 1), args,
+        shared_mem=cfg.shared_bytes(), cluster=(cfg.cluster_m, cfg.cluster_n, cfg.split_k),
+        pdl=pdl.enabled(x2),
         device=x.device)
     return out.view(*x.shape[:-1], N)

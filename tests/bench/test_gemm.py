@@ -119,13 +119,21 @@ def test_sm90_candidates_stay_in_one_cluster_and_one_wave_when_split():
         configs = sm90_candidates(M, N, K, 132, quick=False)
         assert configs[0] == default_config(M, N, K, 132) and len(set(configs)) == len(configs)
         for c in configs:
-            tiles = -(-(-(-M // c.block_m)) // c.cluster_m) * c.cluster_m * -(-N // c.block_n)
+            tiles = (-(-(-(-M // c.block_m)) // c.cluster_m) * c.cluster_m
+                     * -(-(-(-N // c.block_n)) // c.cluster_n) * c.cluster_n)
             assert c.cluster_size <= 8 and -(-K // 64) >= 2 * c.split_k
             assert c.split_k == 1 or tiles * c.split_k <= 1.1 * 132
-            assert c.block_m == (64 if M <= 64 else 128)
+            assert c.cluster_m == 1 or c.cluster_n == 1  # one operand shared at a time
+        # 64-row tiles up to 64 rows; 128 up to 128; then also every row in one tile
+        assert {c.block_m for c in configs} == ({64} if M <= 64 else {128} if M <= 128 else {128, 256})
     quick = sm90_candidates(256, 1536, 8960, 132, quick=True)
     assert {c.cluster_m for c in quick} == {1, 2} and {c.stages for c in quick} == {4}
+    assert {c.cluster_n for c in quick} == {1, 2, 4}
     assert any(c.split_k == 4 and c.block_n == 96 for c in quick)
+    # 256 rows in one tile of 136 columns: Qwen2.5-1.5B's gate/up in 132 CTAs, one wave
+    assert any(c.block_m == 256 and c.block_n == 136 and c.split_k == 1
+               for c in sm90_candidates(256, 17920, 1536, 132, quick=True))
+    assert {c.block_m for c in sm90_candidates(160, 1536, 1536, 132, quick=True)} == {128, 192, 256}
 
 
 def test_glu_candidates_count_output_columns_as_half_the_tile():

@@ -27,12 +27,22 @@ def test_config_rules_name_the_field():
         Sm90GemmConfig(block_n=100)
     with pytest.raises(ValueError, match="cluster_m=2"):
         Sm90GemmConfig(block_n=24, cluster_m=2)  # a share of 12 rows: not a multiple of 8
-    with pytest.raises(ValueError, match="cluster_m x split_k = 32"):
+    with pytest.raises(ValueError, match="cluster_m x cluster_n x split_k = 32"):
         Sm90GemmConfig(cluster_m=2, split_k=16)
+    Sm90GemmConfig(block_m=64, cluster_n=4, split_k=2)  # x shares of 16 rows
+    with pytest.raises(ValueError, match="cluster_n x split_k = 32"):
+        Sm90GemmConfig(block_m=64, cluster_n=4, split_k=8)
+    with pytest.raises(ValueError, match="cluster_n=3"):
+        Sm90GemmConfig(cluster_n=3)
+    with pytest.raises(ValueError, match="at most 136"):  # 72 accumulators in 96 registers
+        Sm90GemmConfig(block_m=256, block_n=144)
     with pytest.raises(ValueError, match="shared memory"):
         Sm90GemmConfig(block_n=256, stages=8)
     cfg = Sm90GemmConfig(128, 96, 4, 2, 4)
     assert (cfg.consumers, cfg.threads, cfg.cluster_size) == (2, 384, 8)
+    wide = Sm90GemmConfig(256, 136, 4, 1, 2, 2)
+    assert (wide.consumers, wide.threads, wide.launch_registers, wide.cluster_size) == (4, 640, 96, 4)
+    assert Sm90GemmConfig(192, 200).launch_registers == 128
     # four stages of a 128-row x tile and a 96-row weight tile, 64 deep, in bf16
     assert cfg.shared_bytes() == 4 * (128 + 96) * 64 * 2 + 16 * 4 + 1024
 
@@ -83,11 +93,15 @@ COMPILED = [  # config, dtype, bias
     (Sm90GemmConfig(64, 128, 4, 1, 8), torch.float16, True),  # few rows: 8 splits
     (Sm90GemmConfig(128, 256, 3, 1, 1), torch.bfloat16, True),  # the widest tile
     (Sm90GemmConfig(128, 64, 6, 4, 2), torch.bfloat16, False),  # four CTAs share a weight tile
+    (Sm90GemmConfig(256, 136, 4, 1, 1), torch.bfloat16, False),  # 256 rows: four warpgroups
+    (Sm90GemmConfig(256, 128, 4, 1, 4, 2), torch.bfloat16, True),  # two CTAs share an x tile, split
+    (Sm90GemmConfig(192, 200, 3, 1, 1, 4), torch.float16, True),  # three warpgroups, x shares of 48
 ]
 GLU_COMPILED = [  # gate/up with the activation: config, dtype, bias
     (Sm90GemmConfig(128, 144, 4, 2, 1), torch.bfloat16, False),  # gate/up at 256 rows
     (Sm90GemmConfig(64, 128, 4, 1, 2), torch.float16, True),  # two boxes a stage (no multicast), split
     (Sm90GemmConfig(128, 256, 4, 4, 2), torch.bfloat16, False),  # quarter shares of each half
+    (Sm90GemmConfig(256, 128, 4, 1, 1, 2), torch.bfloat16, False),  # 256 rows, a shared x tile
 ]
 
 
@@ -111,8 +125,8 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     assert len(hgmma) == 4, sass.count("HGMMA")
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
-    assert ("UTMALDG.2D.MULTICAST" in sass) == (cfg.cluster_m > 1)
-    assert "UTMALDG.2D " in sass  # each CTA's own x tile
+    assert ("UTMALDG.2D.MULTICAST" in sass) == (cfg.cluster_m > 1 or cfg.cluster_n > 1)
+    assert "UTMALDG.2D " in sass  # each CTA's own x or weight tile
     loop = sass[sass.index("HGMMA"):sass.rindex("WARPGROUP.DEPBAR.LE gsb0, 0x0")]
     assert "MEMBAR" not in loop
     assert ("MUFU.EX2" in sass) == glu
