@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tandem.kernels import pdl
 from tandem.kernels.activation_ref import silu_and_mul_ref, silu_mul_ref  # noqa: F401 (the references)
@@ -26,9 +26,12 @@ def _silu_and_mul_kernel(
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
     if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
         gdc_wait()
+    if TRIGGER:  # the next kernel may start now (pdl.EARLY)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTER
@@ -80,6 +83,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[_grid(x2.shape[0], inter)](
             x2, x2[:, inter:], out, x2.stride(0), x2.stride(0), out.stride(0),
             INTER=inter, BLOCK=min(_BLOCK, triton.next_power_of_2(inter)), PDL=launch_pdl,
+            TRIGGER=launch_pdl and pdl.EARLY,
             num_warps=4, launch_pdl=launch_pdl,
         )
     return out.view(*x.shape[:-1], inter)
@@ -96,6 +100,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[_grid(g2.shape[0], inter)](
             g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0),
             INTER=inter, BLOCK=min(_BLOCK, triton.next_power_of_2(inter)), PDL=launch_pdl,
+            TRIGGER=launch_pdl and pdl.EARLY,
             num_warps=4, launch_pdl=launch_pdl,
         )
     return out.view(gate.shape)

@@ -21,6 +21,13 @@ import os
 import torch
 
 ENABLED = os.environ.get("TANDEM_PDL", "1") != "0"
+# A kernel lets the next one start when all its programs have exited, or once each has called
+# `gdc_launch_dependents()` (PTX `griddepcontrol.launch_dependents`). With `TANDEM_PDL_EARLY=1` the
+# kernels before the decode step's GEMMs (RMSNorm, SiLU-and-mul) call it right after their own
+# wait, so the next GEMM's programs are placed while they run and the cluster GEMM
+# (`sm90_gemm`) loads its first weight tiles then; what they write is still read only after
+# the next kernel's own wait. An A/B switch, read once at import.
+EARLY = os.environ.get("TANDEM_PDL_EARLY", "0") == "1"
 
 
 @functools.cache

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from tandem.kernels import pdl
 from tandem.kernels.rmsnorm_ref import (  # noqa: F401 (the references)
@@ -33,9 +33,12 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
     if PDL:  # launched early (tandem.kernels.pdl): wait for the previous kernel's writes
         gdc_wait()
+    if TRIGGER:  # the next kernel may start now (pdl.EARLY)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -78,7 +81,7 @@ def _launch(x, residual, weight, eps, out_dtype=None):
             N=hidden,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
-            PDL=launch_pdl,
+            PDL=launch_pdl, TRIGGER=launch_pdl and pdl.EARLY,
             num_warps=min(16, max(1, block // 256)),
             launch_pdl=launch_pdl,
         )
