@@ -23,6 +23,7 @@ starts it from an earlier table, so new buckets can be measured alone. Ends with
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -250,7 +251,7 @@ def study_glu(bench, shape, M, x, sms, args) -> list[dict]:
     rows = [row(shape, M, "cublas+silu", pair, bench.w_bytes, args.hbm, args.flops)]
     configs = sm90_candidates(M, shape["N"] // 2, shape["K"], sms, args.quick, glu=True)
     return rows + sweep(bench, shape, M, x, want, tol, pair, args, "sm90-glu", configs,
-                        sm90_gemm.gate_up_silu, Sm90GluConfig)
+                        functools.partial(sm90_gemm.gate_up_silu, static_weight=True), Sm90GluConfig)
 
 
 def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]:
@@ -288,7 +289,8 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]
         if ("sm90" not in args.skip and sm90_gemm.device_supported(x.device)
                 and sm90_gemm.unsupported(N, K, dtype) is None):
             out += sweep(bench, shape, M, x, want, tol, cublas, args, "sm90",
-                         sm90_candidates(M, N, K, sms, args.quick), sm90_gemm.linear, Sm90GemmConfig)
+                         sm90_candidates(M, N, K, sms, args.quick),
+                         functools.partial(sm90_gemm.linear, static_weight=True), Sm90GemmConfig)
             if shape["op"] == "gate_up":
                 out += study_glu(bench, shape, M, x, sms, args)
     bench.weights.clear()

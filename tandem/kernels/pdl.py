@@ -6,7 +6,9 @@ idles for the launch. With PDL (Hopper and newer) the later kernel's programs ar
 SMs while the earlier kernel finishes, and wait at `gdc_wait()` (PTX `griddepcontrol.wait`) until
 it has completed and its writes are visible. Every kernel launched this way calls `gdc_wait()`
 before its first global load or store, so it reads and overwrites exactly what it would have
-launched normally; only the launch latency overlaps. A CUDA graph captures the dependency as a
+launched normally; only the launch latency overlaps. One exception, by the caller's word: the
+cluster GEMM (`sm90_gemm`, `static_weight=True`) loads its first tiles of a model's weight, which
+no kernel of a step writes, before its wait. A CUDA graph captures the dependency as a
 programmatic edge.
 
 `TANDEM_PDL=0` turns it off (an A/B switch, read once at import: `ENABLED`); it is off on CPUs,

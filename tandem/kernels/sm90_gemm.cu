@@ -236,7 +236,8 @@ __device__ __forceinline__ void sum_splits(u32 at, u32 cx, u32 cy, float (&v)[4]
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__ TmaDesc tmap_w,
-                 elem_t* __restrict__ out, const elem_t* __restrict__ bias, int M, int N, int K) {
+                 elem_t* __restrict__ out, const elem_t* __restrict__ bias, int M, int N, int K,
+                 int w_early) {
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;  // a swizzle pattern repeats every 1 KiB
   const u32 bars = base + DATA_BYTES;  // full[STAGES], then empty[STAGES]: 8 bytes each
@@ -258,9 +259,6 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // Programmatic dependent launch: the previous kernel's writes are visible past this point (a
-  // no-op when not launched that way).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 #if CLUSTER_M * CLUSTER_N * SPLIT_K > 1
   // every CTA's barriers are initialised (the fence above) before any multicast or remote arrival
   asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
@@ -279,32 +277,46 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
       unsigned short x_group = 0;
       for (u32 q = 0; q < CLUSTER_N; ++q) x_group |= (unsigned short)(1u << rank_of(cx, q, split));
 #endif
-      for (int i = 0; i < nkb; ++i) {
-        const int s = i % STAGES;
-        mbar_wait(bars + 8 * (STAGES + s), ((i / STAGES) & 1) ^ 1);  // free (at once the first time)
-        const u32 full = bars + 8 * s;
+      // Block i's stage: its expected bytes, then this CTA's share of its weight tile.
+      auto load_w = [&](int i) {
+        const u32 full = bars + 8 * (i % STAGES);
+        const u32 a = base + (i % STAGES) * STAGE_BYTES;
         mbar_expect_tx(full, STAGE_BYTES);
-        const u32 a = base + s * STAGE_BYTES;
-        const int k = (kb_lo + i) * BK;
-#if CLUSTER_N > 1  // this CTA's share of the x tile, into every CTA of the column
-        tma_load_multicast(a + cy * A_SHARE * BK * 2, &tmap_x, full, k, m0 + cy * A_SHARE, x_group);
-#else
-        tma_load(a, &tmap_x, full, k, m0);
-#endif
 #pragma unroll
-        for (int q = 0; q < B_SHARE / W_BOX; ++q) {  // this CTA's share of the weight tile
-          const int r = cx * B_SHARE + q * W_BOX;      // its first row in the tile
+        for (int q = 0; q < B_SHARE / W_BOX; ++q) {
+          const int r = cx * B_SHARE + q * W_BOX;  // its first row in the tile
 #if GLU
           const int w_row = r < BN / 2 ? n0 + r : N + n0 + (r - BN / 2);  // gate rows, then up rows
 #else
           const int w_row = n0 + r;
 #endif
 #if CLUSTER_M > 1
-          tma_load_multicast(a + A_BYTES + r * BK * 2, &tmap_w, full, k, w_row, group);
+          tma_load_multicast(a + A_BYTES + r * BK * 2, &tmap_w, full, (kb_lo + i) * BK, w_row, group);
 #else
-          tma_load(a + A_BYTES + r * BK * 2, &tmap_w, full, k, w_row);
+          tma_load(a + A_BYTES + r * BK * 2, &tmap_w, full, (kb_lo + i) * BK, w_row);
 #endif
         }
+      };
+      // A model's weights are not written by the kernel before (w_early: the host knows): the
+      // first stages' weight tiles load while it finishes (programmatic dependent launch); x,
+      // which it writes, only once its writes are visible (griddepcontrol.wait: a no-op when not
+      // launched that way).
+      const int ahead = w_early ? (nkb < STAGES ? nkb : STAGES) : 0;
+      for (int i = 0; i < ahead; ++i) load_w(i);  // the stages are free the first time
+      asm volatile("griddepcontrol.wait;" ::: "memory");
+      for (int i = 0; i < nkb; ++i) {
+        const int s = i % STAGES;
+        if (i >= ahead) {
+          mbar_wait(bars + 8 * (STAGES + s), ((i / STAGES) & 1) ^ 1);  // its readers are done
+          load_w(i);
+        }
+        const u32 full = bars + 8 * s, a = base + s * STAGE_BYTES;
+        const int k = (kb_lo + i) * BK;
+#if CLUSTER_N > 1  // this CTA's share of the x tile, into every CTA of the column
+        tma_load_multicast(a + cy * A_SHARE * BK * 2, &tmap_x, full, k, m0 + cy * A_SHARE, x_group);
+#else
+        tma_load(a, &tmap_x, full, k, m0);
+#endif
       }
       launch_dependents();
 #if MULTICAST && SPLIT_K == 1
@@ -318,6 +330,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     }
     __syncwarp();
   } else {
+    // The kernel before (programmatic dependent launch) has finished and its writes are visible:
+    // this one's output may be a buffer it read.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     const int c = wg - 1;
     const int lane = tid % 32, warp = (tid % 128) / 32;
     float acc[BN / 2];

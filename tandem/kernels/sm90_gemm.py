@@ -261,24 +261,27 @@ def _tensor_map(t: torch.Tensor, box_rows: int):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           config: Sm90GemmConfig | None = None) -> torch.Tensor:
+           config: Sm90GemmConfig | None = None, static_weight: bool = False) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, summed in fp32 and
     rounded once (the bias added before rounding). Same bits on every call with the same config
-    and M."""
-    return _launch(x, weight, bias, config, glu=False)
+    and M. `static_weight`: the weight was not written by the kernel launched right before this
+    one (a model's parameter during a step), so with programmatic dependent launch its first
+    tiles load while that kernel finishes."""
+    return _launch(x, weight, bias, config, glu=False, static_weight=static_weight)
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 config: Sm90GemmConfig | None = None) -> torch.Tensor:
+                 config: Sm90GemmConfig | None = None, static_weight: bool = False) -> torch.Tensor:
     """`activation.silu_and_mul(linear(x, weight, bias, config))` in one launch: weight [2N, K]
     (an MLP's gate rows, then its up rows) -> [..., N]. The products are rounded as `linear`
     rounds them and the activation computed as the activation kernel computes it, so the bits
     are the two launches' (for a `linear` config of the same rows and K splits); no [.., 2N]
-    intermediate is written. `config.block_n` counts both halves (a multiple of 16)."""
-    return _launch(x, weight, bias, config, glu=True)
+    intermediate is written. `config.block_n` counts both halves (a multiple of 16);
+    `static_weight` as `linear` takes it."""
+    return _launch(x, weight, bias, config, glu=True, static_weight=static_weight)
 
 
-def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
+def _launch(x, weight, bias, config, glu: bool, static_weight: bool) -> torch.Tensor:
     K = x.shape[-1]
     rows = weight.shape[0]
     N = rows // 2 if glu else rows
@@ -295,6 +298,7 @@ def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
+        static_weight = False  # written by the copy right before
     if bias is not None:
         bias = bias.contiguous()  # read as [2N] or [N] contiguous
     M = x2.shape[0]
@@ -310,7 +314,8 @@ def _launch(x, weight, bias, config, glu: bool) -> torch.Tensor:
     share = cfg.block_n // cfg.cluster_m
     w_box = min(share, cfg.block_n // 2) if glu else share  # the kernel's W_BOX
     args = [_tensor_map(x2, cfg.block_m // cfg.cluster_n), _tensor_map(weight, w_box), out,
-            bias if bias is not None else weight, ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K)]
+            bias if bias is not None else weight, ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K),
+            ctypes.c_int32(int(static_weight))]
     _kernel(cfg, x.dtype, bias is not None, glu).launch(
         (tiles_m, tiles_n, cfg.split_k), (cfg.threads, 1, 1), args,
         shared_mem=cfg.shared_bytes(), cluster=(cfg.cluster_m, cfg.cluster_n, cfg.split_k),

@@ -96,7 +96,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     elif isinstance(config, Sm90GemmConfig):
         from tandem.kernels.sm90_gemm import linear as sm90_linear
 
-        return sm90_linear(x, weight, bias, config)
+        return sm90_linear(x, weight, bias, config, static_weight=True)  # a parameter
     elif config is not None:
         from tandem.kernels.decode_gemm import linear as triton_linear
 
@@ -115,7 +115,8 @@ def apply_mlp(gate_up_proj: nn.Module, act_fn: nn.Module, down_proj: nn.Module,
         if isinstance(config, Sm90GluConfig):
             from tandem.kernels.sm90_gemm import gate_up_silu
 
-            return down_proj(gate_up_silu(x, gate_up_proj.weight, gate_up_proj.bias, config))
+            return down_proj(gate_up_silu(x, gate_up_proj.weight, gate_up_proj.bias, config,
+                                          static_weight=True))
     return apply_down_proj(down_proj, act_fn, gate_up_proj(x))
 
 

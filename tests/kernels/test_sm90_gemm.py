@@ -206,6 +206,7 @@ def test_each_variant_matches_and_repeats_its_bits(cfg, dtype, bias, M):
         y = linear(x, w, b, cfg)
         assert_close_to_fp32(y, x, w, b)
         assert torch.equal(linear(x, w, b, cfg), y)  # splits summed in split order
+        assert torch.equal(linear(x, w, b, cfg, static_weight=True), y)  # weights before the wait
 
 
 @pytest.mark.gpu

@@ -276,13 +276,14 @@ def test_sm90_entries_run_only_on_hopper_and_reach_the_kernel(monkeypatch):
 
     monkeypatch.setattr(decode_gemm, "_can_run_sm90", lambda layer, glu=False: True)
     calls = []
-    monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg: calls.append(cfg) or
-                        torch.nn.functional.linear(x, w, b))
+    # a layer's weight is a parameter: its first tiles may load before the PDL wait
+    monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg, static_weight: calls.append(
+        (cfg, static_weight)) or torch.nn.functional.linear(x, w, b))
     assert apply_decode_gemm(torch.nn.ModuleList([layer]), parsed) == 1
     with torch.no_grad():
         layer(torch.randn(200, 32))
         layer(torch.randn(300, 32))  # past the table: cuBLAS
-    assert calls == [Sm90GemmConfig(**SM90)]
+    assert calls == [(Sm90GemmConfig(**SM90), True)]
 
 
 def test_sm90_needs_a_hopper_gpu_and_a_shape_it_takes():
@@ -317,12 +318,13 @@ def test_an_mlp_whose_gate_up_entry_fuses_the_activation_runs_one_launch_for_bot
     monkeypatch.setattr(decode_gemm, "_can_run_sm90", lambda layer, glu=False: glu)
     calls = []
 
-    def fused(x, w, b, cfg):
+    def fused(x, w, b, cfg, static_weight):
+        assert static_weight  # a parameter
         calls.append((x.shape[0], cfg))
         return act(torch.nn.functional.linear(x, w, b))
 
     monkeypatch.setattr(sm90_gemm, "gate_up_silu", fused)
-    monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg: calls.append(("plain", cfg)) or
+    monkeypatch.setattr(sm90_gemm, "linear", lambda x, w, b, cfg, **k: calls.append(("plain", cfg)) or
                         torch.nn.functional.linear(x, w, b))
     assert apply_decode_gemm(torch.nn.ModuleList([gate_up]), parsed) == 1
     with torch.no_grad():
