@@ -9,14 +9,15 @@ the decode step's small GEMMs (q/k/v, o, the down projection) run at 25-47% of t
 measured peak under cuBLAS (docs/benchmarks.md), and a split-K reduced in the cluster removes
 cuBLAS's separate reduction kernel. The decode GEMM table (`tandem.layers.decode_gemm`) picks it
 per shape and row bucket only where `python -m tandem.bench.gemm` measured it faster than cuBLAS
-and bit-stable; nothing runs it by default.
+and bit-stable (the H200 table shipped in tandem/kernels/configs names it for few rows).
 
 A config names the tile (64, 128, 192 or 256 rows: one to four consumer warpgroups; `block_n`
 columns, as many as the accumulators' registers allow), the pipeline depth, how many M tiles
 share each weight tile by multicast (`cluster_m`), how many N tiles share each x tile
 (`cluster_n`: every N tile reads all of x from L2, at 256 rows twice the weight's own bytes on
 Qwen2.5-1.5B's gate/up with 128-wide tiles) and the K splits (`split_k`, reduced in the cluster,
-in split order: the same bits on every run). Needs compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
+in split order: the same bits on every run). Needs compute capability 9.0, bf16 or fp16, N a
+multiple of 8 and K of 8 (TMA's 16-byte row strides).
 `gate_up_silu` is the same GEMM for an MLP's merged gate/up weight with SiLU-and-mul in its
 epilogue (an `Sm90GluConfig`: a table entry `sm90-glu`, run by `layers.linear.apply_mlp`).
 """
