@@ -28,7 +28,8 @@ ENABLED = os.environ.get("TANDEM_PDL", "1") != "0"
 # kernels before the decode step's GEMMs (RMSNorm, SiLU-and-mul) call it right after their own
 # wait, so the next GEMM's programs are placed while they run and the cluster GEMM
 # (`sm90_gemm`) loads its first weight tiles then; what they write is still read only after
-# the next kernel's own wait. An A/B switch, read once at import.
+# the next kernel's own wait. An A/B switch, read once at import: on an H200 (2026-12-06,
+# `gen-1.5b-long`, docs/benchmarks.md) it measured no gain, so it is off.
 EARLY = os.environ.get("TANDEM_PDL_EARLY", "0") == "1"
 
 
