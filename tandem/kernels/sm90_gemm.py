@@ -220,7 +220,8 @@ def precompile(variants, jobs: int | None = None) -> int:
     """Compile the kernels of `variants` ((config, dtype, has_bias, glu) each) into the disk cache
     in `jobs` processes (default: one a CPU), so a sweep over hundreds of configs does not compile
     them one by one; a variant NVRTC rejects is left for its own launch to report. Returns how
-    many sources there were."""
+    many sources there were. The processes are spawned: a script calls it under
+    `if __name__ == "__main__":` (as `python -m tandem.bench.gemm` does)."""
     import concurrent.futures
     import multiprocessing
 
