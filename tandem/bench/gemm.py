@@ -176,8 +176,8 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
 def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                     glu: bool = False) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
-    tile heights (64 rows up to 64; 128 and, past 128, every row in one tile: 192 or 256) x tile
-    widths x multicast groups (of the weight tile across M tiles, or of the x tile across N
+    tile heights (64 rows up to 64; 128 and, past 128, every row in one tile: 192 or 256; from
+    128 rows, in consumer warpgroups of 64 or 128 rows) x tile widths x multicast groups (of the weight tile across M tiles, or of the x tile across N
     tiles) x K splits (a split only within one wave of CTAs, at least two 64-deep blocks of K
     each) x pipeline depths. With `glu` (gate/up with the activation fused, N output columns) the
     widths count weight rows, half of them gate rows."""
@@ -188,7 +188,9 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
     else:  # 136: 132 tiles of Qwen2.5-1.5B's gate/up, one wave of an H100's or H200's SMs
         widths = (64, 96, 128, 136, 256) if quick else (64, 96, 128, 136, 160, 192, 256)
     heights = [64] if M <= 64 else [128] if M <= 128 else [128, 192, 256] if M <= 192 else [128, 256]
-    for block_m, block_n in itertools.product(heights, widths):
+    shapes = [(m, n, wg) for m, n in itertools.product(heights, widths)
+              for wg in ((64, 128) if m >= 128 else (64,)) if m % wg == 0]
+    for block_m, block_n, warpgroup_m in shapes:
         tiles_m = -(-M // block_m)
         tiles_n = -(-N // (block_n // 2 if glu else block_n))
         groups = [(1, 1)] + [(c, 1) for c in (2,) if tiles_m > 1] + [(1, c) for c in (2, 4) if tiles_n >= c]
@@ -199,7 +201,8 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                 continue
             for stages in ((4,) if quick else (3, 4, 6)):
                 try:
-                    configs.append(config_type(block_m, block_n, stages, cluster_m, split, cluster_n))
+                    configs.append(config_type(block_m, block_n, stages, cluster_m, split, cluster_n,
+                                               warpgroup_m))
                 except ValueError:  # e.g. more shared memory than a block gets
                     continue
     return list(dict.fromkeys(configs))

@@ -7,9 +7,9 @@
 // compute the same rows for different weight columns get the x tile the same way, and the CTAs
 // that split K reduce their fp32 partial sums through distributed shared memory: no workspace, no
 // second kernel, no counters. Each CTA: one producer warpgroup (one thread issues the TMA loads
-// into a ring of STAGES shared-memory stages) and CONSUMERS (1-4) warpgroups of 64 rows each
-// issuing wgmma from those stages. Every reduction adds the splits in split order: the same bits
-// on every run of a config.
+// into a ring of STAGES shared-memory stages) and CONSUMERS (1-4) warpgroups of WG_ROWS (64 or
+// 128) rows each issuing wgmma from those stages. Every reduction adds the splits in split
+// order: the same bits on every run of a config.
 //
 // Cluster layout: x the CLUSTER_M CTAs sharing a weight tile (M tiles), y the CLUSTER_N sharing
 // an x tile (N tiles), z the SPLIT_K splits of K. A stage of a CTA is written by the CTAs of its
@@ -21,7 +21,7 @@
 // same instructions as tandem/kernels/activation.py's Triton kernel (the same bits as the GEMM
 // then that kernel). A tile's B rows are BN/2 gate rows, then the same BN/2 columns' up rows.
 //
-// The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS,
+// The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS, MSUB,
 // CLUSTER_M, CLUSTER_N, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
 // never ends traps) and the function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
 // cluster (CLUSTER_M, CLUSTER_N, SPLIT_K). No #include: NVRTC compiles it at run time.
@@ -33,6 +33,7 @@ typedef unsigned long long u64;
 struct __align__(64) TmaDesc { u64 opaque[16]; };  // a CUtensorMap, passed by value
 
 #define BK 64  // 64 elements = 128 bytes a row: one 128-byte swizzle span
+#define WG_ROWS (64 * MSUB)  // rows a consumer warpgroup computes: MSUB wgmmas of 64 a k step
 #define THREADS (128 * (CONSUMERS + 1))
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (BN * BK * 2)
@@ -335,17 +336,22 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     asm volatile("griddepcontrol.wait;" ::: "memory");
     const int c = wg - 1;
     const int lane = tid % 32, warp = (tid % 128) / 32;
-    float acc[BN / 2];
+    float acc[MSUB][BN / 2];  // acc[ms]: the warpgroup's ms-th 64 rows
 #pragma unroll
-    for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+    for (int ms = 0; ms < MSUB; ++ms)
+#pragma unroll
+      for (int j = 0; j < BN / 2; ++j) acc[ms][j] = 0.f;
     for (int i = 0; i < nkb; ++i) {
       const int s = i % STAGES;
       mbar_wait(bars + 8 * s, (i / STAGES) & 1);
-      const u32 a = base + s * STAGE_BYTES + c * 64 * BK * 2;
+      const u32 a = base + s * STAGE_BYTES + c * WG_ROWS * BK * 2;
       const u32 b = base + s * STAGE_BYTES + A_BYTES;
       wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_tile(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32));
+      for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+        for (int ms = 0; ms < MSUB; ++ms)
+          wgmma_tile(acc[ms], smem_desc(a + ms * 64 * BK * 2 + kk * 32), smem_desc(b + kk * 32));
       wgmma_commit();
       wgmma_wait<1>();  // the previous block's products are done: its stage may be refilled
       if (i > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (i - 1) % STAGES), cx, cy, split);
@@ -353,38 +359,43 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     wgmma_wait<0>();
     launch_dependents();
 #pragma unroll
-    for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[j]) :: "memory");
+    for (int ms = 0; ms < MSUB; ++ms)
+#pragma unroll
+      for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[ms][j]) :: "memory");
     // The last stage is released after the epilogue's stores, where a multicast group needs it
     // (an arrival here, right after the wait, makes ptxas serialize every wgmma of the loop:
     // warning C7515).
 
-    // acc[4j + 2h + e] holds row warp*16 + lane/4 + 8h, column 8j + 2(lane%4) + e of the
-    // warpgroup's 64 x BN tile.
-    const int row = c * 64 + warp * 16 + lane / 4;
+    // acc[ms][4j + 2h + e] holds row warp*16 + lane/4 + 8h, column 8j + 2(lane%4) + e of the
+    // warpgroup's ms-th 64 x BN tile.
     const int col = 2 * (lane % 4);
 #if SPLIT_K == 1
 #pragma unroll
-    for (int j = 0; j < OUT_BN / 8; ++j) {
-      const int n = n0 + 8 * j + col;
+    for (int ms = 0; ms < MSUB; ++ms) {
+      const int row = c * WG_ROWS + ms * 64 + warp * 16 + lane / 4;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int m = m0 + row + 8 * h;
-        if (m < M && n < N) {  // N is even: n + 1 < N too
-          float v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+      for (int j = 0; j < OUT_BN / 8; ++j) {
+        const int n = n0 + 8 * j + col;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = m0 + row + 8 * h;
+          if (m < M && n < N) {  // N is even: n + 1 < N too
+            float v0 = acc[ms][4 * j + 2 * h], v1 = acc[ms][4 * j + 2 * h + 1];
 #if HAS_BIAS
-          v0 += elem_to_float(bias[n]);
-          v1 += elem_to_float(bias[n + 1]);
+            v0 += elem_to_float(bias[n]);
+            v1 += elem_to_float(bias[n + 1]);
 #endif
 #if GLU  // the same columns' up products: BN/2 columns on
-          float u0 = acc[4 * (j + BN / 16) + 2 * h], u1 = acc[4 * (j + BN / 16) + 2 * h + 1];
+            float u0 = acc[ms][4 * (j + BN / 16) + 2 * h], u1 = acc[ms][4 * (j + BN / 16) + 2 * h + 1];
 #if HAS_BIAS
-          u0 += elem_to_float(bias[N + n]);
-          u1 += elem_to_float(bias[N + n + 1]);
+            u0 += elem_to_float(bias[N + n]);
+            u1 += elem_to_float(bias[N + n + 1]);
 #endif
-          v0 = silu_mul(v0, u0);
-          v1 = silu_mul(v1, u1);
+            v0 = silu_mul(v0, u0);
+            v1 = silu_mul(v1, u1);
 #endif
-          *reinterpret_cast<u32*>(out + (long long)m * N + n) = pack2(v0, v1);
+            *reinterpret_cast<u32*>(out + (long long)m * N + n) = pack2(v0, v1);
+          }
         }
       }
     }
@@ -396,12 +407,16 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     // landed (each was waited for) and, after this barrier, every consumer's products are done.
     asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS * 128) : "memory");
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
+    for (int ms = 0; ms < MSUB; ++ms) {
+      const int row = c * WG_ROWS + ms * 64 + warp * 16 + lane / 4;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const u32 at = base + ((row + 8 * h) * RED_STRIDE + 8 * j + col) * 4;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
-                     :: "r"(at), "f"(acc[4 * j + 2 * h]), "f"(acc[4 * j + 2 * h + 1]) : "memory");
+      for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 at = base + ((row + 8 * h) * RED_STRIDE + 8 * j + col) * 4;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};"
+                       :: "r"(at), "f"(acc[ms][4 * j + 2 * h]), "f"(acc[ms][4 * j + 2 * h + 1]) : "memory");
+        }
       }
     }
 #endif

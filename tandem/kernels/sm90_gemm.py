@@ -11,13 +11,13 @@ cuBLAS's separate reduction kernel. The decode GEMM table (`tandem.layers.decode
 per shape and row bucket only where `python -m tandem.bench.gemm` measured it faster than cuBLAS
 and bit-stable (the H200 table shipped in tandem/kernels/configs names it for few rows).
 
-A config names the tile (64, 128, 192 or 256 rows: one to four consumer warpgroups; `block_n`
-columns, as many as the accumulators' registers allow), the pipeline depth, how many M tiles
-share each weight tile by multicast (`cluster_m`), how many N tiles share each x tile
-(`cluster_n`: every N tile reads all of x from L2, at 256 rows twice the weight's own bytes on
-Qwen2.5-1.5B's gate/up with 128-wide tiles) and the K splits (`split_k`, reduced in the cluster,
-in split order: the same bits on every run). Needs compute capability 9.0, bf16 or fp16, N a
-multiple of 8 and K of 8 (TMA's 16-byte row strides).
+A config names the tile (64, 128, 192 or 256 rows: one to four consumer warpgroups of
+`warpgroup_m` = 64 or 128 rows; `block_n` columns, as many as the accumulators' registers
+allow), the pipeline depth, how many M tiles share each weight tile by multicast (`cluster_m`),
+how many N tiles share each x tile (`cluster_n`: every N tile reads all of x from L2, at 256
+rows twice the weight's own bytes on Qwen2.5-1.5B's gate/up with 128-wide tiles) and the K
+splits (`split_k`, reduced in the cluster, in split order: the same bits on every run). Needs
+compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
 `gate_up_silu` is the same GEMM for an MLP's merged gate/up weight with SiLU-and-mul in its
 epilogue (an `Sm90GluConfig`: a table entry `sm90-glu`, run by `layers.linear.apply_mlp`).
 """
@@ -47,28 +47,32 @@ WATCHDOG = os.environ.get("TANDEM_SM90_WATCHDOG", "0") == "1"
 class Sm90GemmConfig:
     """One launch configuration (`default_config` picks one from shapes)."""
 
-    block_m: int = 128  # 64 x consumer warpgroups
+    block_m: int = 128  # warpgroup_m x consumer warpgroups
     block_n: int = 128
     stages: int = 4
     cluster_m: int = 1  # M tiles sharing each weight tile by TMA multicast
     split_k: int = 1  # K splits, one cluster, reduced through distributed shared memory
     cluster_n: int = 1  # N tiles sharing each x tile by TMA multicast
+    warpgroup_m: int = 64  # rows a consumer warpgroup computes: one or two wgmmas of 64 a k step
 
     def __post_init__(self):
         problems = []
-        if self.block_m not in (64, 128, 192, 256):
-            problems.append(f"block_m={self.block_m} (64, 128, 192 or 256: one to four warpgroups "
-                            "of 64 rows)")
+        if self.warpgroup_m not in (64, 128):
+            problems.append(f"warpgroup_m={self.warpgroup_m} (64 or 128 rows a consumer warpgroup)")
+        elif self.block_m not in (64, 128, 192, 256) or self.block_m % self.warpgroup_m:
+            problems.append(f"block_m={self.block_m} (64, 128, 192 or 256, a multiple of "
+                            f"warpgroup_m={self.warpgroup_m}: one to four consumer warpgroups)")
+        elif self.accumulators > self.launch_registers - 28:
+            most = (self.launch_registers - 28) * 128 // self.warpgroup_m
+            problems.append(f"block_n={self.block_n} with block_m={self.block_m} (its "
+                            f"{self.accumulators} accumulators a thread and the kernel's ~28 other "
+                            f"registers exceed the {self.launch_registers} a thread of "
+                            f"{self.threads} threads: at most {most // 8 * 8})")
         if not (8 <= self.block_n <= 256 and self.block_n % 8 == 0):
             problems.append(f"block_n={self.block_n} (a multiple of 8 from 8 to 256: wgmma's n)")
         if self.cluster_m not in (1, 2, 4) or (self.block_n // self.cluster_m) % 8:
             problems.append(f"cluster_m={self.cluster_m} (1, 2 or 4, each CTA's share of block_n "
                             "a multiple of 8 rows)")
-        if self.block_n // 2 > self.launch_registers - 28:
-            problems.append(f"block_n={self.block_n} with block_m={self.block_m} (its "
-                            f"{self.block_n // 2} accumulators a thread and the kernel's ~28 other "
-                            f"registers exceed the {self.launch_registers} a thread of "
-                            f"{self.threads} threads: at most {2 * (self.launch_registers - 28)})")
         if self.cluster_n not in (1, 2, 4) or (self.block_m // self.cluster_n) % 8:
             problems.append(f"cluster_n={self.cluster_n} (1, 2 or 4, each CTA's share of block_m "
                             "a multiple of 8 rows)")
@@ -87,7 +91,12 @@ class Sm90GemmConfig:
 
     @property
     def consumers(self) -> int:
-        return self.block_m // 64
+        return self.block_m // self.warpgroup_m
+
+    @property
+    def accumulators(self) -> int:
+        """fp32 accumulators a consumer thread holds: its warpgroup's rows x block_n / 128."""
+        return self.warpgroup_m * self.block_n // 128
 
     @property
     def threads(self) -> int:
@@ -183,6 +192,7 @@ def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = 
                          "columns) must be a multiple of 8")
     t = _DTYPES[dtype]
     macros = {"BM": cfg.block_m, "BN": cfg.block_n, "STAGES": cfg.stages, "CONSUMERS": cfg.consumers,
+              "MSUB": cfg.warpgroup_m // 64,
               "CLUSTER_M": cfg.cluster_m, "CLUSTER_N": cfg.cluster_n, "SPLIT_K": cfg.split_k,
               "HAS_BIAS": int(has_bias),
               "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG)}

@@ -134,6 +134,8 @@ def test_sm90_candidates_stay_in_one_cluster_and_one_wave_when_split():
     assert any(c.block_m == 256 and c.block_n == 136 and c.split_k == 1
                for c in sm90_candidates(256, 17920, 1536, 132, quick=True))
     assert {c.block_m for c in sm90_candidates(160, 1536, 1536, 132, quick=True)} == {128, 192, 256}
+    # from 128 rows, consumer warpgroups of 64 or 128 rows (one or two wgmmas a k step)
+    assert {(c.block_m, c.warpgroup_m) for c in quick} == {(128, 64), (128, 128), (256, 64), (256, 128)}
 
 
 def test_glu_candidates_count_output_columns_as_half_the_tile():

@@ -36,6 +36,14 @@ def test_config_rules_name_the_field():
         Sm90GemmConfig(cluster_n=3)
     with pytest.raises(ValueError, match="at most 136"):  # 72 accumulators in 96 registers
         Sm90GemmConfig(block_m=256, block_n=144)
+    with pytest.raises(ValueError, match="at most 136"):  # two warpgroups of 128 rows: 144 in 168
+        Sm90GemmConfig(block_m=256, block_n=144, warpgroup_m=128)
+    with pytest.raises(ValueError, match="warpgroup_m=96"):
+        Sm90GemmConfig(warpgroup_m=96)
+    with pytest.raises(ValueError, match="block_m=192"):
+        Sm90GemmConfig(block_m=192, warpgroup_m=128)
+    two = Sm90GemmConfig(256, 128, warpgroup_m=128)
+    assert (two.consumers, two.threads, two.launch_registers, two.accumulators) == (2, 384, 168, 128)
     with pytest.raises(ValueError, match="shared memory"):
         Sm90GemmConfig(block_n=256, stages=8)
     cfg = Sm90GemmConfig(128, 96, 4, 2, 4)
@@ -96,12 +104,15 @@ COMPILED = [  # config, dtype, bias
     (Sm90GemmConfig(256, 136, 4, 1, 1), torch.bfloat16, False),  # 256 rows: four warpgroups
     (Sm90GemmConfig(256, 128, 4, 1, 4, 2), torch.bfloat16, True),  # two CTAs share an x tile, split
     (Sm90GemmConfig(192, 200, 3, 1, 1, 4), torch.float16, True),  # three warpgroups, x shares of 48
+    (Sm90GemmConfig(256, 136, 4, 1, 1, 1, 128), torch.bfloat16, True),  # two warpgroups of 128 rows
+    (Sm90GemmConfig(128, 200, 3, 1, 2, 2, 128), torch.float16, False),  # one of 128 rows, split
 ]
 GLU_COMPILED = [  # gate/up with the activation: config, dtype, bias
     (Sm90GemmConfig(128, 144, 4, 2, 1), torch.bfloat16, False),  # gate/up at 256 rows
     (Sm90GemmConfig(64, 128, 4, 1, 2), torch.float16, True),  # two boxes a stage (no multicast), split
     (Sm90GemmConfig(128, 256, 4, 4, 2), torch.bfloat16, False),  # quarter shares of each half
     (Sm90GemmConfig(256, 128, 4, 1, 1, 2), torch.bfloat16, False),  # 256 rows, a shared x tile
+    (Sm90GemmConfig(256, 128, 4, 1, 2, 1, 128), torch.bfloat16, True),  # 128 rows a warpgroup, split
 ]
 
 
@@ -110,8 +121,9 @@ GLU_COMPILED = [  # gate/up with the activation: config, dtype, bias
 @pytest.mark.parametrize("cfg,dtype,bias,glu", [c + (False,) for c in COMPILED]
                          + [c + (True,) for c in GLU_COMPILED], ids=lambda v: str(v))
 def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias, glu):
-    """The machine code nvcc makes of each variant: the k loop's four wgmmas (HGMMA, at the tile's
-    width) waited for once a k block and once at the end, not after each (ptxas serializes them
+    """The machine code nvcc makes of each variant: the k loop's four wgmmas for each 64 rows of a
+    warpgroup (HGMMA, at the tile's width) waited for once a k block and once at the end, not
+    after each (ptxas serializes them
     when other code writes their accumulators inside the pipeline: warning C7515); TMA loads,
     multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop;
     with the activation, its exponential (MUFU.EX2) in the epilogue; programmatic dependent
@@ -122,7 +134,7 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     sass = cuda_driver.cuobjdump_sass(cuda_driver.nvcc_cubin(src))
     t = "BF16" if dtype == torch.bfloat16 else "F16"
     hgmma = re.findall(rf"HGMMA\.64x{cfg.block_n}x16\.F32(\.{t})?", sass)
-    assert len(hgmma) == 4, sass.count("HGMMA")
+    assert len(hgmma) == 4 * cfg.warpgroup_m // 64, sass.count("HGMMA")  # a k block's, each 64 rows
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 1
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
     assert ("UTMALDG.2D.MULTICAST" in sass) == (cfg.cluster_m > 1 or cfg.cluster_n > 1)
