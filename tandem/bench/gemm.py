@@ -177,10 +177,11 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                     glu: bool = False) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
     tile heights (64 rows up to 64; 128 and, past 128, every row in one tile: 192 or 256; from
-    128 rows, in consumer warpgroups of 64 or 128 rows) x tile widths x multicast groups (of the weight tile across M tiles, or of the x tile across N
-    tiles) x K splits (a split only within one wave of CTAs, at least two 64-deep blocks of K
-    each) x pipeline depths. With `glu` (gate/up with the activation fused, N output columns) the
-    widths count weight rows, half of them gate rows."""
+    128 rows, in consumer warpgroups of 64 or 128 rows) x tile widths x multicast groups (of the
+    weight tile across M tiles, or of the x tile across N tiles) x K splits (a split only within
+    one wave of CTAs, at least two 64-deep blocks of K each) x pipeline depths. With `glu` (gate/up
+    with the activation fused, N output columns) the widths count weight rows, half of them gate
+    rows."""
     config_type = Sm90GluConfig if glu else Sm90GemmConfig
     configs = [sm90_gemm.default_config(M, N, K, sms, glu=glu)]
     if glu:
@@ -206,6 +207,16 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                 except ValueError:  # e.g. more shared memory than a block gets
                     continue
     return list(dict.fromkeys(configs))
+
+
+def sm90_sweeps(shape: dict, M: int, sms: int, quick: bool) -> dict[bool, list[Sm90GemmConfig]]:
+    """The cluster GEMM's candidates for a decode shape at M rows, by whether the activation is
+    fused (gate/up only: N output columns are half its weight rows)."""
+    N, K = shape["N"], shape["K"]
+    sweeps = {False: sm90_candidates(M, N, K, sms, quick)}
+    if shape["op"] == "gate_up":
+        sweeps[True] = sm90_candidates(M, N // 2, K, sms, quick, glu=True)
+    return sweeps
 
 
 def sweep(bench, shape, M, x, want, tol, cublas, args, label, configs, fn, config_type) -> list[dict]:
@@ -243,7 +254,7 @@ def cublas_then_activation(x, w, b):
     return silu_and_mul(F.linear(x, w, b))
 
 
-def study_glu(bench, shape, M, x, sms, args) -> list[dict]:
+def study_glu(bench, shape, M, x, configs, args) -> list[dict]:
     """The gate/up GEMM with SiLU-and-mul in its epilogue (`sm90_gemm.gate_up_silu`) against what
     the engine runs now, cuBLAS's GEMM then the activation kernel, timed as a pair: rows
     `sm90-glu`(-default, -best; the speedup against the pair). Its table entry (backend
@@ -252,7 +263,6 @@ def study_glu(bench, shape, M, x, sms, args) -> list[dict]:
     want = cublas_then_activation(x, bench.weights[0], bench.bias).float()
     tol = 0.02 * want.abs().max().item() + 1e-3
     rows = [row(shape, M, "cublas+silu", pair, bench.w_bytes, args.hbm, args.flops)]
-    configs = sm90_candidates(M, shape["N"] // 2, shape["K"], sms, args.quick, glu=True)
     return rows + sweep(bench, shape, M, x, want, tol, pair, args, "sm90-glu", configs,
                         functools.partial(sm90_gemm.gate_up_silu, static_weight=True), Sm90GluConfig)
 
@@ -291,11 +301,11 @@ def study_shape(shape, rows, args, dtype, sms, l2, tmp, base=None) -> list[dict]
                          GemmConfig)
         if ("sm90" not in args.skip and sm90_gemm.device_supported(x.device)
                 and sm90_gemm.unsupported(N, K, dtype) is None):
-            out += sweep(bench, shape, M, x, want, tol, cublas, args, "sm90",
-                         sm90_candidates(M, N, K, sms, args.quick),
+            sweeps = sm90_sweeps(shape, M, sms, args.quick)
+            out += sweep(bench, shape, M, x, want, tol, cublas, args, "sm90", sweeps[False],
                          functools.partial(sm90_gemm.linear, static_weight=True), Sm90GemmConfig)
-            if shape["op"] == "gate_up":
-                out += study_glu(bench, shape, M, x, sms, args)
+            if True in sweeps:
+                out += study_glu(bench, shape, M, x, sweeps[True], args)
     bench.weights.clear()
     torch.cuda.empty_cache()
     return out
@@ -425,12 +435,9 @@ def main() -> None:
             for shape in decode_shapes(model):
                 if shape["op"] in args.ops and sm90_gemm.unsupported(shape["N"], shape["K"], dtype) is None:
                     for M in args.rows:
-                        variants += [(c, dtype, shape["bias"], False) for c in sm90_candidates(
-                            M, shape["N"], shape["K"], props.multi_processor_count, args.quick)]
-                        if shape["op"] == "gate_up":
-                            variants += [(c, dtype, shape["bias"], True) for c in sm90_candidates(
-                                M, shape["N"] // 2, shape["K"], props.multi_processor_count, args.quick,
-                                glu=True)]
+                        sweeps = sm90_sweeps(shape, M, props.multi_processor_count, args.quick)
+                        variants += [(c, dtype, shape["bias"], glu)
+                                     for glu, configs in sweeps.items() for c in configs]
         print(f"cluster GEMM: {sm90_gemm.precompile(variants)} kernels compiled", flush=True)
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -170,3 +170,16 @@ def test_the_fused_gate_up_competes_with_the_chosen_gemm_plus_the_activation():
     assert won["backend"] == "sm90-glu" and won["activation_us"] == 4.0 and won["config"]["block_n"] == 144
     lost = make_table(rows(22.5), "NVIDIA H200", "bfloat16", margin=0.03)["shapes"]["17920,1536"][0]
     assert lost["backend"] == "sm90" and lost["config"]["block_n"] == 96
+
+
+def test_sm90_sweeps_add_the_fused_activation_for_gate_up_only():
+    """One list of candidates a shape, which both the sweeps and the parallel precompile use."""
+    from tandem.bench.gemm import sm90_candidates, sm90_sweeps
+    from tandem.kernels.sm90_gemm import Sm90GluConfig
+
+    gate_up = {"op": "gate_up", "N": 17920, "K": 1536}
+    sweeps = sm90_sweeps(gate_up, 64, 132, quick=True)
+    assert sweeps[False] == sm90_candidates(64, 17920, 1536, 132, True)
+    assert sweeps[True] == sm90_candidates(64, 8960, 1536, 132, True, glu=True)
+    assert all(isinstance(c, Sm90GluConfig) for c in sweeps[True])
+    assert list(sm90_sweeps({"op": "down", "N": 1536, "K": 8960}, 64, 132, quick=True)) == [False]
