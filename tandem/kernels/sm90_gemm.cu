@@ -41,7 +41,14 @@ struct __align__(64) TmaDesc { u64 opaque[16]; };  // a CUtensorMap, passed by v
 #define PIPE_BYTES (STAGES * STAGE_BYTES)
 #define RED_STRIDE (BN + 8)  // floats a partial-sum row (padded: 8-byte stores without bank conflicts)
 #define RED_BYTES (SPLIT_K > 1 ? BM * RED_STRIDE * 4 : 0)
-#define DATA_BYTES (PIPE_BYTES > RED_BYTES ? PIPE_BYTES : RED_BYTES)
+// Unsplit, the rounded output tile is staged in shared memory (over the stages) and stored in
+// 16-byte pieces along its rows: a row of bf16 pairs a thread, as wgmma leaves them, would
+// write each 32-byte sector half at a time. Rows padded to 4 banks more than a multiple of 8
+// (OUT_BN / 2 words is a multiple of 4): a warp's pairs of 8 rows land in distinct banks.
+#define OUT_STRIDE (OUT_BN * 2 + ((OUT_BN / 2) % 8 == 0 ? 16 : 0))  // bytes an output row
+#define OUT_BYTES (SPLIT_K == 1 ? BM * OUT_STRIDE : 0)
+#define MAX2(a, b) ((a) > (b) ? (a) : (b))
+#define DATA_BYTES MAX2(PIPE_BYTES, MAX2(RED_BYTES, OUT_BYTES))
 #define B_SHARE (BN / CLUSTER_M)  // weight rows each CTA of a multicast group loads
 #define A_SHARE (BM / CLUSTER_N)  // x rows each CTA of a multicast group loads
 #define MULTICAST (CLUSTER_M * CLUSTER_N > 1)
@@ -370,6 +377,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     // warpgroup's ms-th 64 x BN tile.
     const int col = 2 * (lane % 4);
 #if SPLIT_K == 1
+    // Every consumer's products are done (this barrier) before any overwrites a stage another
+    // may still read; every load into this CTA has landed (each block's was waited for).
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS * 128) : "memory");
 #pragma unroll
     for (int ms = 0; ms < MSUB; ++ms) {
       const int row = c * WG_ROWS + ms * 64 + warp * 16 + lane / 4;
@@ -378,25 +388,41 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         const int n = n0 + 8 * j + col;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int m = m0 + row + 8 * h;
-          if (m < M && n < N) {  // N is even: n + 1 < N too
-            float v0 = acc[ms][4 * j + 2 * h], v1 = acc[ms][4 * j + 2 * h + 1];
-#if HAS_BIAS
+          float v0 = acc[ms][4 * j + 2 * h], v1 = acc[ms][4 * j + 2 * h + 1];
+#if HAS_BIAS  // (columns past N are never stored: no bias for them)
+          if (n < N) {
             v0 += elem_to_float(bias[n]);
             v1 += elem_to_float(bias[n + 1]);
+          }
 #endif
 #if GLU  // the same columns' up products: BN/2 columns on
-            float u0 = acc[ms][4 * (j + BN / 16) + 2 * h], u1 = acc[ms][4 * (j + BN / 16) + 2 * h + 1];
+          float u0 = acc[ms][4 * (j + BN / 16) + 2 * h], u1 = acc[ms][4 * (j + BN / 16) + 2 * h + 1];
 #if HAS_BIAS
+          if (n < N) {
             u0 += elem_to_float(bias[N + n]);
             u1 += elem_to_float(bias[N + n + 1]);
-#endif
-            v0 = silu_mul(v0, u0);
-            v1 = silu_mul(v1, u1);
-#endif
-            *reinterpret_cast<u32*>(out + (long long)m * N + n) = pack2(v0, v1);
           }
+#endif
+          v0 = silu_mul(v0, u0);
+          v1 = silu_mul(v1, u1);
+#endif
+          const u32 at = base + (row + 8 * h) * OUT_STRIDE + (8 * j + col) * 2;
+          asm volatile("st.shared.b32 [%0], %1;" :: "r"(at), "r"(pack2(v0, v1)) : "memory");
         }
+      }
+    }
+    asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS * 128) : "memory");
+    // 8 columns a thread, consecutive threads along a row: N and n0 are multiples of 8, so a
+    // piece is wholly in or out, and 16-byte aligned.
+    for (int it = tid - 128; it < BM * (OUT_BN / 8); it += CONSUMERS * 128) {
+      const int r = it / (OUT_BN / 8), c8 = it % (OUT_BN / 8);
+      const int m = m0 + r, n = n0 + 8 * c8;
+      if (m < M && n < N) {
+        asm volatile(
+            "{\n\t.reg .b32 a, b, c, d;\n\t"
+            "ld.shared.v4.b32 {a, b, c, d}, [%0];\n\t"
+            "st.global.v4.b32 [%1], {a, b, c, d};\n\t}"
+            :: "r"(base + r * OUT_STRIDE + c8 * 16), "l"(out + (long long)m * N + n) : "memory");
       }
     }
 #if MULTICAST  // the providers wait for it before they exit (above)

@@ -112,17 +112,34 @@ class Sm90GemmConfig:
         return self.cluster_m * self.cluster_n * self.split_k
 
     def shared_bytes(self) -> int:
-        """The kernel's dynamic shared memory: the stages (or, split, the partial sums laid over
-        them), the barriers and 1 KiB to align the swizzled tiles."""
+        """The kernel's dynamic shared memory: the stages (with the partial sums, split, or the
+        output tile, unsplit, laid over them), the barriers and 1 KiB to align the swizzled
+        tiles."""
         pipe = self.stages * (self.block_m + self.block_n) * BLOCK_K * 2
         red = self.block_m * (self.block_n + 8) * 4 if self.split_k > 1 else 0
-        return max(pipe, red) + 16 * self.stages + 1024
+        out = self.block_m * self.out_stride if self.split_k == 1 else 0
+        return max(pipe, red, out) + 16 * self.stages + 1024
+
+    @property
+    def out_cols(self) -> int:
+        """Output columns a tile."""
+        return self.block_n
+
+    @property
+    def out_stride(self) -> int:
+        """Bytes a row of the output tile staged in shared memory (unsplit): padded so a warp's
+        stores of 8 rows' pairs hit distinct banks (the kernel's OUT_STRIDE)."""
+        return self.out_cols * 2 + (16 if (self.out_cols // 2) % 8 == 0 else 0)
 
 
 @dataclass(frozen=True)
 class Sm90GluConfig(Sm90GemmConfig):
     """A config for an MLP's gate/up GEMM with SiLU-and-mul in its epilogue (`gate_up_silu`):
     `block_n` weight rows a tile, half of them gate rows, so a multiple of 16."""
+
+    @property
+    def out_cols(self) -> int:
+        return self.block_n // 2  # (the gate and up columns give one output column)
 
     def __post_init__(self):
         super().__post_init__()
