@@ -55,6 +55,20 @@ def test_config_rules_name_the_field():
     assert cfg.shared_bytes() == 4 * (128 + 96) * 64 * 2 + 16 * 4 + 1024
 
 
+@pytest.mark.parametrize("cfg,out_cols", [
+    (Sm90GemmConfig(128, 128, 4), 128), (Sm90GemmConfig(256, 136, 4), 136),
+    (Sm90GemmConfig(64, 96, 3), 96), (Sm90GluConfig(128, 144, 4), 72), (Sm90GluConfig(64, 96, 4), 48)])
+def test_the_staged_output_tile_fits_and_spares_bank_conflicts(cfg, out_cols):
+    """Unsplit, the rounded tile is staged over the stages: a row's bytes padded so that the
+    word stride is 4 more than a multiple of 8 (a warp's pairs in 8 rows hit 32 distinct banks),
+    16-byte aligned, and counted in the kernel's shared memory."""
+    assert cfg.out_cols == out_cols
+    words = cfg.out_stride // 4
+    assert cfg.out_stride % 16 == 0 and words % 8 == 4
+    assert sorted({(words * r + lane) % 32 for r in range(8) for lane in range(4)}) == list(range(32))
+    assert cfg.shared_bytes() >= cfg.block_m * cfg.out_stride + 16 * cfg.stages + 1024
+
+
 def test_unsupported_shapes_say_why():
     assert unsupported(2048, 1536, torch.bfloat16) is None
     assert unsupported(1000, 1536, torch.float16) is None
@@ -127,7 +141,8 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     when other code writes their accumulators inside the pipeline: warning C7515); TMA loads,
     multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop;
     with the activation, its exponential (MUFU.EX2) in the epilogue; programmatic dependent
-    launch's wait (ACQBULK) and trigger (PREEXIT)."""
+    launch's wait (ACQBULK) and trigger (PREEXIT); unsplit, only 16-byte global stores (the
+    output tile through shared memory)."""
     src = source(cfg, dtype, bias, glu)
     usage = cuda_driver.ptxas_resource_usage(src)
     assert "C7515" not in usage and "0 bytes spill stores" in usage, usage
@@ -143,6 +158,8 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     assert "MEMBAR" not in loop
     assert ("MUFU.EX2" in sass) == glu
     assert "ACQBULK" in sass and "PREEXIT" in sass  # PDL: waits for the kernel before, lets the next start
+    if cfg.split_k == 1:  # the output tile staged in shared memory, stored 16 bytes a thread
+        assert set(re.findall(r"\bSTG\.[A-Z0-9.]+", sass)) == {"STG.E.128"}, sass
 
 
 @pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
