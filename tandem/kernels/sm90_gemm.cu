@@ -23,7 +23,9 @@
 //
 // The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS, MSUB,
 // CLUSTER_M, CLUSTER_N, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
-// never ends traps) and the function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
+// never ends traps), SM90_TIMELINE (profiling: %globaltimer at each phase of each CTA into
+// `timeline`, TIMELINE_SLOTS a CTA; the slots are tandem/kernels/sm90_gemm.py's PHASES) and the
+// function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
 // cluster (CLUSTER_M, CLUSTER_N, SPLIT_K). No #include: NVRTC compiles it at run time.
 
 typedef unsigned short elem_t;  // the bits of a bf16 or fp16
@@ -158,6 +160,19 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
 }
 
+#if SM90_TIMELINE
+#define TIMELINE_SLOTS 16
+__device__ __forceinline__ void stamp(u64* timeline, int slot) {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+  const u32 cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  timeline[(u64)cta * TIMELINE_SLOTS + slot] = t;
+}
+#define STAMP(slot) stamp(timeline, slot)
+#else
+#define STAMP(slot) ((void)0)
+#endif
+
 // Programmatic dependent launch: the next kernel, if launched that way, may place its CTAs on the
 // SMs from here on (they still wait for this grid to finish before reading what it wrote). Called
 // once the loads are issued and the products done, so they fill the SMs this grid's epilogue and
@@ -245,7 +260,11 @@ __device__ __forceinline__ void sum_splits(u32 at, u32 cx, u32 cy, float (&v)[4]
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__ TmaDesc tmap_w,
                  elem_t* __restrict__ out, const elem_t* __restrict__ bias, int M, int N, int K,
-                 int w_early) {
+                 int w_early
+#if SM90_TIMELINE
+                 , u64* __restrict__ timeline
+#endif
+                 ) {
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_addr(smem_raw) + 1023) & ~1023u;  // a swizzle pattern repeats every 1 KiB
   const u32 bars = base + DATA_BYTES;  // full[STAGES], then empty[STAGES]: 8 bytes each
@@ -259,6 +278,14 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
   const int kb_per = (num_kb + SPLIT_K - 1) / SPLIT_K;
   const int kb_lo = split * kb_per;
   const int nkb = kb_lo < num_kb ? (num_kb - kb_lo < kb_per ? num_kb - kb_lo : kb_per) : 0;
+#if SM90_TIMELINE
+  if (tid == 0) {
+    STAMP(0);  // entry
+    u32 sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    timeline[(u64)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * TIMELINE_SLOTS + 15] = sm;
+  }
+#endif
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -276,6 +303,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
 
   if (wg == 0) {
     if (tid == 0) {
+      STAMP(1);  // barriers set up (and, in a cluster, every CTA's)
       asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_x) : "memory");
       asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_w) : "memory");
 #if CLUSTER_M > 1  // the cluster row: the CTAs computing these columns for other rows
@@ -312,6 +340,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
       const int ahead = w_early ? (nkb < STAGES ? nkb : STAGES) : 0;
       for (int i = 0; i < ahead; ++i) load_w(i);  // the stages are free the first time
       asm volatile("griddepcontrol.wait;" ::: "memory");
+      STAMP(2);  // the kernel before is done
       for (int i = 0; i < nkb; ++i) {
         const int s = i % STAGES;
         if (i >= ahead) {
@@ -326,6 +355,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         tma_load(a, &tmap_x, full, k, m0);
 #endif
       }
+      STAMP(3);  // every load issued
       launch_dependents();
 #if MULTICAST && SPLIT_K == 1
       // Leave only once every consumer it loads into has released every stage: no arrival may
@@ -351,6 +381,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     for (int i = 0; i < nkb; ++i) {
       const int s = i % STAGES;
       mbar_wait(bars + 8 * s, (i / STAGES) & 1);
+#if SM90_TIMELINE
+      if (tid == 128 && i == 0) STAMP(4);  // the first stage is in
+#endif
       const u32 a = base + s * STAGE_BYTES + c * WG_ROWS * BK * 2;
       const u32 b = base + s * STAGE_BYTES + A_BYTES;
       wgmma_fence();
@@ -364,6 +397,10 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
       if (i > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (i - 1) % STAGES), cx, cy, split);
     }
     wgmma_wait<0>();
+#if SM90_TIMELINE
+    if (tid == 128) STAMP(5);  // the first consumer's products are done
+    if (tid == THREADS - 128) STAMP(6);  // the last consumer's
+#endif
     launch_dependents();
 #pragma unroll
     for (int ms = 0; ms < MSUB; ++ms)
@@ -412,6 +449,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
       }
     }
     asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS * 128) : "memory");
+#if SM90_TIMELINE
+    if (tid == 128) STAMP(7);  // the tile staged in shared memory
+#endif
     // 8 columns a thread, consecutive threads along a row: N and n0 are multiples of 8, so a
     // piece is wholly in or out, and 16-byte aligned.
     for (int it = tid - 128; it < BM * (OUT_BN / 8); it += CONSUMERS * 128) {
@@ -425,6 +465,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
             :: "r"(base + r * OUT_STRIDE + c8 * 16), "l"(out + (long long)m * N + n) : "memory");
       }
     }
+#if SM90_TIMELINE
+    if (tid == 128) STAMP(8);  // its stores issued
+#endif
 #if MULTICAST  // the providers wait for it before they exit (above)
     if (nkb > 0 && tid % 128 == 0) release(bars + 8 * (STAGES + (nkb - 1) % STAGES), cx, cy, split);
 #endif
@@ -445,11 +488,17 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
         }
       }
     }
+#if SM90_TIMELINE
+    if (tid == 128) STAMP(7);  // its partial sums in shared memory
+#endif
 #endif
   }
 
 #if SPLIT_K > 1
   cluster_sync();  // every split's partial sums are in its CTA's shared memory
+#if SM90_TIMELINE
+  if (tid == 128) STAMP(9);  // every split's
+#endif
   // This CTA finishes rows [r_lo, r_hi) of the tile: the splits' partials, added in split order.
   const int rows_per = (BM + SPLIT_K - 1) / SPLIT_K;
   const int r_lo = split * rows_per;
@@ -477,8 +526,14 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     dst[0] = pack2(v[0], v[1]);
     dst[1] = pack2(v[2], v[3]);
   }
+#if SM90_TIMELINE
+  if (tid == 128) STAMP(10);  // its rows summed and stored
+#endif
   // No CTA leaves while another may still read its shared memory (the loads above have
   // returned: their sums are stored).
   asm volatile("barrier.cluster.arrive.relaxed;\n\tbarrier.cluster.wait;" ::: "memory");
+#endif
+#if SM90_TIMELINE
+  if (tid == 128) STAMP(11);  // leaving
 #endif
 }

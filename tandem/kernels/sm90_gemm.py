@@ -20,12 +20,19 @@ splits (`split_k`, reduced in the cluster, in split order: the same bits on ever
 compute capability 9.0, bf16 or fp16, N a multiple of 8 and K of 8 (TMA's 16-byte row strides).
 `gate_up_silu` is the same GEMM for an MLP's merged gate/up weight with SiLU-and-mul in its
 epilogue (an `Sm90GluConfig`: a table entry `sm90-glu`, run by `layers.linear.apply_mlp`).
+
+For work on the kernel, `phase_timeline` runs a build that stamps %globaltimer at each phase of
+each CTA and `phase_durations` reads the stamps (how the 256-row epilogue's 7 us were found):
+
+    out, stamps = sm90_gemm.phase_timeline(x, w, None, Sm90GemmConfig(256, 136, 4, 1, 1, 2, 128))
+    {k: v.median().item() for k, v in sm90_gemm.phase_durations(stamps, split=False).items()}
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -202,8 +209,10 @@ def default_config(M: int, N: int, K: int, sms: int = 132, glu: bool = False) ->
     return best[1]
 
 
-def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = False) -> str:
-    """The kernel's CUDA source for a config: its macros, its wgmma for `block_n`, the kernel."""
+def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = False,
+           timeline: bool = False) -> str:
+    """The kernel's CUDA source for a config: its macros, its wgmma for `block_n`, the kernel
+    (with `timeline`, the build that stamps its phases: `phase_timeline`)."""
     if glu and cfg.block_n % 16:
         raise ValueError(f"block_n={cfg.block_n}: with the activation fused, half of it (the gate "
                          "columns) must be a multiple of 8")
@@ -212,7 +221,8 @@ def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = 
               "MSUB": cfg.warpgroup_m // 64,
               "CLUSTER_M": cfg.cluster_m, "CLUSTER_N": cfg.cluster_n, "SPLIT_K": cfg.split_k,
               "HAS_BIAS": int(has_bias),
-              "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG)}
+              "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG),
+              "SM90_TIMELINE": int(timeline)}
     head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
     with open(_SOURCE) as f:
         kernel = f.read()
@@ -264,10 +274,10 @@ def precompile(variants, jobs: int | None = None) -> int:
 
 
 @functools.cache
-def _kernel(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool):
+def _kernel(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool, timeline: bool = False):
     from tandem.kernels import cuda_driver
 
-    return cuda_driver.Kernel(cuda_driver.compile_cubin(source(cfg, dtype, has_bias, glu)),
+    return cuda_driver.Kernel(cuda_driver.compile_cubin(source(cfg, dtype, has_bias, glu, timeline)),
                               "tandem_sm90_gemm")
 
 
@@ -310,7 +320,17 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return _launch(x, weight, bias, config, glu=True, static_weight=static_weight)
 
 
-def _launch(x, weight, bias, config, glu: bool, static_weight: bool) -> torch.Tensor:
+def grid(cfg: Sm90GemmConfig, M: int, N: int, glu: bool = False) -> tuple[int, int, int]:
+    """The launch grid (M tiles, N tiles, K splits) of M rows and N output columns: whole
+    clusters (tiles past the rows or columns compute nothing that is stored)."""
+    tiles_m = -(-M // cfg.block_m)
+    tiles_n = -(-N // (cfg.block_n // 2 if glu else cfg.block_n))
+    return (-(-tiles_m // cfg.cluster_m) * cfg.cluster_m, -(-tiles_n // cfg.cluster_n) * cfg.cluster_n,
+            cfg.split_k)
+
+
+def _launch(x, weight, bias, config, glu: bool, static_weight: bool,
+            timeline: torch.Tensor | None = None) -> torch.Tensor:
     K = x.shape[-1]
     rows = weight.shape[0]
     N = rows // 2 if glu else rows
@@ -335,19 +355,75 @@ def _launch(x, weight, bias, config, glu: bool, static_weight: bool) -> torch.Te
     if M == 0:
         return out.view(*x.shape[:-1], N)
     cfg = config or default_config(M, N, K, num_sms(x.device), glu=glu)
-    tiles_m = -(-M // cfg.block_m)
-    tiles_m = -(-tiles_m // cfg.cluster_m) * cfg.cluster_m  # whole clusters (extra tiles: rows >= M)
-    out_cols = cfg.block_n // 2 if glu else cfg.block_n
-    tiles_n = -(-N // out_cols)
-    tiles_n = -(-tiles_n // cfg.cluster_n) * cfg.cluster_n  # (extra tiles: columns >= N)
+    launch_grid = grid(cfg, M, N, glu)
+    if timeline is not None and (timeline.shape != (math.prod(launch_grid), TIMELINE_SLOTS)
+                                 or timeline.dtype != torch.int64 or timeline.device != x.device):
+        raise ValueError(f"timeline: want int64 [{math.prod(launch_grid)}, {TIMELINE_SLOTS}] on "
+                         f"{x.device} (a row a CTA), got {timeline.dtype} {tuple(timeline.shape)} "
+                         f"on {timeline.device}")
     share = cfg.block_n // cfg.cluster_m
     w_box = min(share, cfg.block_n // 2) if glu else share  # the kernel's W_BOX
     args = [_tensor_map(x2, cfg.block_m // cfg.cluster_n), _tensor_map(weight, w_box), out,
             bias if bias is not None else weight, ctypes.c_int32(M), ctypes.c_int32(N), ctypes.c_int32(K),
-            ctypes.c_int32(int(static_weight))]
-    _kernel(cfg, x.dtype, bias is not None, glu).launch(
-        (tiles_m, tiles_n, cfg.split_k), (cfg.threads, 1, 1), args,
+            ctypes.c_int32(int(static_weight))] + ([timeline] if timeline is not None else [])
+    _kernel(cfg, x.dtype, bias is not None, glu, timeline is not None).launch(
+        launch_grid, (cfg.threads, 1, 1), args,
         shared_mem=cfg.shared_bytes(), cluster=(cfg.cluster_m, cfg.cluster_n, cfg.split_k),
         pdl=pdl.enabled(x2),
         device=x.device)
     return out.view(*x.shape[:-1], N)
+
+
+# `phase_timeline`: the slots the kernel's SM90_TIMELINE build stamps with %globaltimer (ns), a
+# row a CTA; slot 7 is the staged tile unsplit, the partial sums in shared memory split.
+TIMELINE_SLOTS = 16
+PHASES = {
+    0: "entry", 1: "barriers set up", 2: "kernel before done", 3: "loads issued",
+    4: "first stage in", 5: "first consumer done", 6: "last consumer done",
+    7: "tile staged / partials stored", 8: "stores issued", 9: "all splits' partials ready",
+    10: "rows reduced", 11: "leaving",
+}
+SM_SLOT = 15  # the SM the CTA ran on
+
+
+def phase_timeline(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   config: Sm90GemmConfig | None = None, glu: bool = False,
+                   static_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each CTA's time goes: the GEMM (`linear`, or with `glu` `gate_up_silu`) by the build
+    of the kernel that stamps %globaltimer at each phase. Returns (its output, the same bits as
+    the plain build's; int64 [CTAs, TIMELINE_SLOTS] nanoseconds, slot SM_SLOT the SM, unstamped
+    slots 0). For kernel work, not for a step: the stamps' stores cost a little. The timer ticks
+    in steps the GPU sets (0.256 us measured on an H100 and an H200)."""
+    K = x.shape[-1]
+    M = x.reshape(-1, K).shape[0]
+    N = weight.shape[0] // (2 if glu else 1)
+    cfg = config or default_config(M, N, K, num_sms(x.device), glu=glu)
+    stamps = torch.zeros(math.prod(grid(cfg, M, N, glu)), TIMELINE_SLOTS, dtype=torch.int64,
+                         device=x.device)
+    out = _launch(x, weight, bias, cfg, glu, static_weight, timeline=stamps)
+    return out, stamps
+
+
+def phase_durations(stamps: torch.Tensor, split: bool) -> dict[str, torch.Tensor]:
+    """Each CTA's phases (microseconds, a tensor of CTAs each) from `phase_timeline`'s stamps:
+    set-up, the wait for the kernel before, the fill (to the first stage in), the mainloop, then
+    unsplit the staging and the stores, split the partial sums' stores, the wait for every
+    split, the reduction and the last barrier; and each CTA's start after the first CTA's."""
+    t = stamps.double() / 1e3
+    d = {"start after the first CTA": t[:, 0] - t[:, 0].min(),
+         "set-up": t[:, 1] - t[:, 0],
+         "wait for the kernel before": t[:, 2] - t[:, 1],
+         "fill (to the first stage)": t[:, 4] - t[:, 1],
+         "mainloop": t[:, 5] - t[:, 4],
+         "last consumer after the first": t[:, 6] - t[:, 5]}
+    if split:
+        d.update({"partial sums stored": t[:, 7] - t[:, 5],
+                  "wait for every split": t[:, 9] - t[:, 7],
+                  "reduction": t[:, 10] - t[:, 9],
+                  "last barrier": t[:, 11] - t[:, 10]})
+    else:
+        d.update({"tile staged": t[:, 7] - t[:, 5],
+                  "stores": t[:, 8] - t[:, 7],
+                  "to the end": t[:, 11] - t[:, 8]})
+    d["total"] = t[:, 11] - t[:, 0]
+    return d

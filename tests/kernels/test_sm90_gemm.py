@@ -3,7 +3,9 @@
 Without a GPU: the configs' rules, the shape-based pick, and the kernel compiled for sm_90a by
 nvcc (on the development machine and CI) with its machine code read back: wgmma (HGMMA) not
 serialized, TMA loads (multicast where a cluster shares the weight), no register spills. On a
-Hopper GPU: against the fp32 product, bit-stable, under CUDA graphs.
+Hopper GPU: against the fp32 product, bit-stable, under CUDA graphs. The build that stamps its
+phases (`phase_timeline`): on the CPU, that it stamps and that the default build's machine code
+has none of it; on the GPU, its bits and the stamps' order.
 """
 
 import re
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels import cuda_driver
+from tandem.kernels import sm90_gemm
 from tandem.kernels.sm90_gemm import (Sm90GemmConfig, Sm90GluConfig, _wgmma_source, default_config,
                                       gate_up_silu, linear, source, unsupported)
 
@@ -176,6 +179,63 @@ def test_the_watchdog_traps_instead_of_hanging(monkeypatch):
     assert sass.count("BPT.TRAP") >= 3 and sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
 
 
+@pytest.mark.parametrize("cfg,M,N,glu,want", [
+    (Sm90GemmConfig(128, 128, 4, 2, 3), 256, 2048, False, (2, 16, 3)),
+    (Sm90GemmConfig(128, 128, 4, 2, 3), 1, 2048, False, (2, 16, 3)),  # a whole cluster of M tiles
+    (Sm90GemmConfig(256, 136, 4, 1, 1, 2), 256, 17920, False, (1, 132, 1)),  # 131.8 N tiles, pairs
+    (Sm90GluConfig(128, 144, 4), 200, 8960, True, (2, 125, 1)),  # 72 output columns a tile
+    (Sm90GemmConfig(64, 96, 3, 1, 8), 16, 1536, False, (1, 16, 8)),
+])
+def test_the_grid_is_whole_clusters_of_tiles(cfg, M, N, glu, want):
+    assert sm90_gemm.grid(cfg, M, N, glu) == want
+
+
+def test_a_timeline_of_the_wrong_shape_is_refused_before_any_launch():
+    x, w = torch.randn(16, 1536, dtype=torch.bfloat16), torch.randn(2048, 1536, dtype=torch.bfloat16)
+    cfg = Sm90GemmConfig(64, 128, 4, 1, 8)
+    with pytest.raises(ValueError, match=r"timeline: want int64 \[128, 16\]"):
+        sm90_gemm._launch(x, w, None, cfg, False, False, timeline=torch.zeros(127, 16, dtype=torch.int64))
+
+
+def test_phase_durations_read_the_stamps():
+    """Two CTAs' stamps (ns), unsplit then split: each phase the difference of its two slots."""
+    t = torch.zeros(2, sm90_gemm.TIMELINE_SLOTS, dtype=torch.int64)
+    t[0, :12] = torch.tensor([1000, 1260, 1260, 9000, 4330, 21480, 21480, 22500, 23530, 0, 0, 23530])
+    t[1, :12] = torch.tensor([1256, 1512, 1512, 9256, 4586, 21736, 21992, 23016, 23784, 0, 0, 24040])
+    d = sm90_gemm.phase_durations(t, split=False)
+    assert d["start after the first CTA"].tolist() == pytest.approx([0, 0.256])
+    assert d["fill (to the first stage)"].tolist() == pytest.approx([3.07, 3.074])
+    assert d["mainloop"].tolist() == pytest.approx([17.15, 17.15])
+    assert d["last consumer after the first"].tolist() == pytest.approx([0, 0.256])
+    assert d["tile staged"].tolist() == pytest.approx([1.02, 1.28])
+    assert d["stores"].tolist() == pytest.approx([1.03, 0.768])
+    assert d["total"].tolist() == pytest.approx([22.53, 22.784])
+    t[:, 9], t[:, 10] = t[:, 7] + 300, t[:, 7] + 1300
+    t[:, 11] = t[:, 10] + 500
+    d = sm90_gemm.phase_durations(t, split=True)
+    assert d["wait for every split"].tolist() == pytest.approx([0.3, 0.3])
+    assert d["reduction"].tolist() == pytest.approx([1.0, 1.0])
+    assert d["last barrier"].tolist() == pytest.approx([0.5, 0.5])
+    assert "tile staged" not in d
+
+
+@pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
+                    reason="needs nvcc and cuobjdump")
+@pytest.mark.parametrize("cfg,glu", [(Sm90GemmConfig(256, 136, 4, 1, 1, 2, 128), False),
+                                     (Sm90GemmConfig(128, 128, 4, 2, 3), False),
+                                     (Sm90GluConfig(128, 144, 4, 1, 2), True)], ids=str)
+def test_only_the_timeline_build_reads_the_timer(cfg, glu):
+    """SM90_TIMELINE=1: a %globaltimer read at each of its phases (unsplit nine, split ten), no
+    spills; the default build (what a step runs) none."""
+    stamped = source(cfg, torch.bfloat16, True, glu, timeline=True)
+    usage = cuda_driver.ptxas_resource_usage(stamped)
+    assert "C7515" not in usage and "0 bytes spill stores" in usage, usage
+    reads = cuda_driver.cuobjdump_sass(cuda_driver.nvcc_cubin(stamped)).count("GLOBALTIMER")
+    assert reads >= (10 if cfg.split_k > 1 else 9), reads
+    plain = cuda_driver.cuobjdump_sass(cuda_driver.nvcc_cubin(source(cfg, torch.bfloat16, True, glu)))
+    assert "GLOBALTIMER" not in plain
+
+
 def test_the_fused_activation_needs_whole_gate_columns():
     with pytest.raises(ValueError, match="block_n=136"):
         source(Sm90GemmConfig(128, 136), torch.bfloat16, False, glu=True)
@@ -334,3 +394,25 @@ def test_every_shipped_config_matches_the_fp32_product():
             else:
                 x, w, b = operands(M, 1000, 1536, torch.bfloat16)
                 assert_close_to_fp32(linear(x, w, b, cfg), x, w, b)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("cfg,glu,M", [(Sm90GemmConfig(256, 136, 4, 1, 1, 2, 128), False, 256),
+                                       (Sm90GemmConfig(128, 128, 4, 2, 3, 1, 128), False, 256),
+                                       (Sm90GemmConfig(64, 128, 4, 1, 8), False, 16),
+                                       (Sm90GluConfig(128, 144, 4, 1, 2), True, 200)], ids=str)
+def test_the_timeline_build_computes_the_same_bits_and_stamps_in_order(cfg, glu, M):
+    N, K = (1000, 1536) if glu else (2048, 1536)
+    x, w, b = operands(M, 2 * N if glu else N, K)
+    fn = gate_up_silu if glu else linear
+    out, stamps = sm90_gemm.phase_timeline(x, w, b, cfg, glu=glu)
+    assert torch.equal(out, fn(x, w, b, cfg))
+    t = stamps.cpu()
+    order = [0, 1, 2, 4, 5, 7, 9, 10, 11] if cfg.split_k > 1 else [0, 1, 2, 4, 5, 7, 8, 11]
+    assert (t[:, order] > 0).all() and (t[:, order].diff(dim=1) >= 0).all(), t[:4]
+    assert (t[:, 3] >= t[:, 2]).all() and (t[:, 6] >= t[:, 4]).all()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (t[:, sm90_gemm.SM_SLOT] < sms).all()
+    d = sm90_gemm.phase_durations(stamps, split=cfg.split_k > 1)
+    assert (d["total"] > 0).all() and (d["mainloop"] > 0).all()
