@@ -162,13 +162,18 @@ __device__ __forceinline__ void wgmma_wait() {
 
 #if SM90_TIMELINE
 #define TIMELINE_SLOTS 16
-__device__ __forceinline__ void stamp(u64* timeline, int slot) {
+// `value` into this CTA's `slot` (a row of TIMELINE_SLOTS a CTA, in grid order).
+__device__ __forceinline__ void record(u64* timeline, int slot, u64 value) {
+  const u32 cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  timeline[(u64)cta * TIMELINE_SLOTS + slot] = value;
+}
+
+__device__ __forceinline__ u64 globaltimer() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
-  const u32 cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  timeline[(u64)cta * TIMELINE_SLOTS + slot] = t;
+  return t;
 }
-#define STAMP(slot) stamp(timeline, slot)
+#define STAMP(slot) record(timeline, slot, globaltimer())
 #else
 #define STAMP(slot) ((void)0)
 #endif
@@ -283,7 +288,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     STAMP(0);  // entry
     u32 sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    timeline[(u64)(blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * TIMELINE_SLOTS + 15] = sm;
+    record(timeline, 15, sm);  // the SM (sm90_gemm.py's SM_SLOT)
   }
 #endif
 
