@@ -173,6 +173,19 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
     return rows
 
 
+def wave_widths(tiles_m: int, N: int, sms: int, glu: bool = False, count: int = 2) -> tuple[int, ...]:
+    """Where N's columns take more than one wave of tiles: the `count` tile widths (multiples
+    of 8 from 128 to 256 weight rows, half of them gate rows with `glu`) whose tiles fill the SMs' last
+    wave best, the widest first among equals (e.g. Qwen2.5-7B's gate/up at 256 rows: 144 rows,
+    264 tiles, two whole waves of 132 SMs, where 128 leaves the third wave 11% full)."""
+    def busy(width: int) -> float:
+        tiles = tiles_m * -(-N // (width // 2 if glu else width))
+        return tiles / (-(-tiles // sms) * sms)
+
+    widths = [w for w in range(128, 257, 16 if glu else 8) if tiles_m * -(-N // (w // 2 if glu else w)) > sms]
+    return tuple(sorted(widths, key=lambda w: (-busy(w), -w))[:count])
+
+
 def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                     glu: bool = False) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
@@ -189,6 +202,7 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
     else:  # 136: 132 tiles of Qwen2.5-1.5B's gate/up, one wave of an H100's or H200's SMs
         widths = (64, 96, 128, 136, 256) if quick else (64, 96, 128, 136, 160, 192, 256)
     heights = [64] if M <= 64 else [128] if M <= 128 else [128, 192, 256] if M <= 192 else [128, 256]
+    widths = widths + wave_widths(-(-M // heights[-1]), N, sms, glu)
     shapes = [(m, n, wg) for m, n in itertools.product(heights, widths)
               for wg in ((64, 128) if m >= 128 else (64,)) if m % wg == 0]
     for block_m, block_n, warpgroup_m in shapes:

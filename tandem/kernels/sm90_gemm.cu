@@ -24,7 +24,9 @@
 // The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS, MSUB,
 // CLUSTER_M, CLUSTER_N, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
 // never ends traps), SM90_TIMELINE (profiling: %globaltimer at each phase of each CTA into
-// `timeline`, TIMELINE_SLOTS a CTA; the slots are tandem/kernels/sm90_gemm.py's PHASES) and the
+// `timeline`, TIMELINE_SLOTS a CTA; the slots are tandem/kernels/sm90_gemm.py's PHASES),
+// PRODUCER_REGS and CONSUMER_REGS (0: no register reallocation; else the producer warpgroup's
+// registers a thread drop to the first and the consumers' rise to the second) and the
 // function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
 // cluster (CLUSTER_M, CLUSTER_N, SPLIT_K). No #include: NVRTC compiles it at run time.
 
@@ -307,6 +309,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
 #endif
 
   if (wg == 0) {
+#if CONSUMER_REGS  // one thread issues the loads: the warpgroup's registers go to the consumers
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(PRODUCER_REGS));
+#endif
     if (tid == 0) {
       STAMP(1);  // barriers set up (and, in a cluster, every CTA's)
       asm volatile("prefetch.tensormap [%0];" :: "l"((u64)&tmap_x) : "memory");
@@ -375,6 +380,9 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
   } else {
     // The kernel before (programmatic dependent launch) has finished and its writes are visible:
     // this one's output may be a buffer it read.
+#if CONSUMER_REGS  // the producer's spare registers (a wider tile's accumulators fit)
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(CONSUMER_REGS));
+#endif
     asm volatile("griddepcontrol.wait;" ::: "memory");
     const int c = wg - 1;
     const int lane = tid % 32, warp = (tid % 128) / 32;

@@ -42,6 +42,7 @@ from tandem.kernels import pdl
 from tandem.kernels.decode_gemm_ref import linear_ref  # noqa: F401 (the reference)
 
 BLOCK_K = 64
+PRODUCER_REGISTERS = 40  # the producer warpgroup's registers a thread after `setmaxnreg.dec`
 MAX_SHARED = 227 * 1024  # an H100/H200 block's dynamic shared memory limit
 _SOURCE = os.path.join(os.path.dirname(__file__), "sm90_gemm.cu")
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -69,12 +70,12 @@ class Sm90GemmConfig:
         elif self.block_m not in (64, 128, 192, 256) or self.block_m % self.warpgroup_m:
             problems.append(f"block_m={self.block_m} (64, 128, 192 or 256, a multiple of "
                             f"warpgroup_m={self.warpgroup_m}: one to four consumer warpgroups)")
-        elif self.accumulators > self.launch_registers - 28:
-            most = (self.launch_registers - 28) * 128 // self.warpgroup_m
+        elif self.accumulators > self.consumer_registers - 28:
+            most = (self.consumer_registers - 28) * 128 // self.warpgroup_m
             problems.append(f"block_n={self.block_n} with block_m={self.block_m} (its "
                             f"{self.accumulators} accumulators a thread and the kernel's ~28 other "
-                            f"registers exceed the {self.launch_registers} a thread of "
-                            f"{self.threads} threads: at most {most // 8 * 8})")
+                            f"registers exceed the {self.consumer_registers} a consumer thread "
+                            f"gets of {self.threads} threads: at most {most // 8 * 8})")
         if not (8 <= self.block_n <= 256 and self.block_n % 8 == 0):
             problems.append(f"block_n={self.block_n} (a multiple of 8 from 8 to 256: wgmma's n)")
         if self.cluster_m not in (1, 2, 4) or (self.block_n // self.cluster_m) % 8:
@@ -113,6 +114,25 @@ class Sm90GemmConfig:
     def launch_registers(self) -> int:
         """Registers a thread gets with one block an SM (65,536 a block, 8 at a time, <= 255)."""
         return min(255, 65536 // self.threads // 8 * 8)
+
+    @property
+    def consumer_registers(self) -> int:
+        """Registers a consumer thread works with. With two consumer warpgroups the producer's
+        (one thread issues its loads) go down to PRODUCER_REGISTERS and the consumers take the
+        rest (`setmaxnreg`): 232 each instead of the 168 a thread of 384 gets at launch. Not with
+        three or four: ptxas (CUDA 13.0) compiles their wgmma to the launch's 128 or 96 all the
+        same (C7602 'insufficient registers')."""
+        if self.consumers != 2:
+            return self.launch_registers
+        spare = self.launch_registers * self.threads - PRODUCER_REGISTERS * 128
+        return spare // (128 * self.consumers) // 8 * 8
+
+    @property
+    def reallocates_registers(self) -> bool:
+        """Whether the kernel hands the producer's registers to the consumers: only where the
+        accumulators need more than a thread gets at launch (the others' machine code stays
+        that of the kernel without it)."""
+        return self.consumers == 2 and self.accumulators > self.launch_registers - 28
 
     @property
     def cluster_size(self) -> int:
@@ -222,7 +242,9 @@ def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = 
               "CLUSTER_M": cfg.cluster_m, "CLUSTER_N": cfg.cluster_n, "SPLIT_K": cfg.split_k,
               "HAS_BIAS": int(has_bias),
               "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG),
-              "SM90_TIMELINE": int(timeline)}
+              "SM90_TIMELINE": int(timeline),
+              "PRODUCER_REGS": PRODUCER_REGISTERS,
+              "CONSUMER_REGS": cfg.consumer_registers if cfg.reallocates_registers else 0}
     head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
     with open(_SOURCE) as f:
         kernel = f.read()

@@ -183,3 +183,19 @@ def test_sm90_sweeps_add_the_fused_activation_for_gate_up_only():
     assert sweeps[True] == sm90_candidates(64, 8960, 1536, 132, True, glu=True)
     assert all(isinstance(c, Sm90GluConfig) for c in sweeps[True])
     assert list(sm90_sweeps({"op": "down", "N": 1536, "K": 8960}, 64, 132, quick=True)) == [False]
+
+
+def test_wave_widths_fill_the_last_wave_of_a_multi_wave_shape():
+    """Qwen2.5-7B's gate/up at 256 rows (N = 37888): 144-row tiles make 264 = 2 x 132 CTAs,
+    where 128 or 136 leave a third wave 11% or 6% full; a shape of one wave or less gets none."""
+    from tandem.bench.gemm import sm90_candidates, wave_widths
+
+    widths = wave_widths(1, 37888, 132)
+    assert widths[0] == 144 and len(widths) == 2
+    for w in widths:
+        tiles = -(-37888 // w)
+        assert tiles > 132 and tiles / (-(-tiles // 132) * 132) > 0.9
+    assert wave_widths(1, 18944, 132, glu=True)[0] == 144  # 72 output columns a tile: 264 CTAs
+    assert wave_widths(1, 2048, 132) == () and wave_widths(1, 4608, 132) == ()
+    assert any(c.block_m == 256 and c.block_n == 144 and c.split_k == 1
+               for c in sm90_candidates(256, 37888, 3584, 132, quick=True))

@@ -39,8 +39,14 @@ def test_config_rules_name_the_field():
         Sm90GemmConfig(cluster_n=3)
     with pytest.raises(ValueError, match="at most 136"):  # 72 accumulators in 96 registers
         Sm90GemmConfig(block_m=256, block_n=144)
-    with pytest.raises(ValueError, match="at most 136"):  # two warpgroups of 128 rows: 144 in 168
-        Sm90GemmConfig(block_m=256, block_n=144, warpgroup_m=128)
+    # two consumer warpgroups get the producer's registers (setmaxnreg): 232 a thread, not 168
+    with pytest.raises(ValueError, match="at most 200"):  # 128 rows each: 208 accumulators
+        Sm90GemmConfig(block_m=256, block_n=208, warpgroup_m=128)
+    roomy = Sm90GemmConfig(256, 200, 3, warpgroup_m=128)
+    assert roomy.consumer_registers == 232 and roomy.reallocates_registers
+    assert not Sm90GemmConfig(256, 136, warpgroup_m=128).reallocates_registers  # 136 fit in 168
+    assert Sm90GemmConfig(block_m=256, block_n=136).consumer_registers == 96  # four: as launched
+    assert Sm90GemmConfig(block_m=64).consumer_registers == 255  # one: all it gets at launch
     with pytest.raises(ValueError, match="warpgroup_m=96"):
         Sm90GemmConfig(warpgroup_m=96)
     with pytest.raises(ValueError, match="block_m=192"):
@@ -123,6 +129,8 @@ COMPILED = [  # config, dtype, bias
     (Sm90GemmConfig(192, 200, 3, 1, 1, 4), torch.float16, True),  # three warpgroups, x shares of 48
     (Sm90GemmConfig(256, 136, 4, 1, 1, 1, 128), torch.bfloat16, True),  # two warpgroups of 128 rows
     (Sm90GemmConfig(128, 200, 3, 1, 2, 2, 128), torch.float16, False),  # one of 128 rows, split
+    (Sm90GemmConfig(256, 200, 3, 1, 1, 1, 128), torch.bfloat16, True),  # 200 accumulators: setmaxnreg
+    (Sm90GemmConfig(256, 144, 4, 1, 2, 1, 128), torch.bfloat16, False),  # 144 of them, split
 ]
 GLU_COMPILED = [  # gate/up with the activation: config, dtype, bias
     (Sm90GemmConfig(128, 144, 4, 2, 1), torch.bfloat16, False),  # gate/up at 256 rows
@@ -130,6 +138,7 @@ GLU_COMPILED = [  # gate/up with the activation: config, dtype, bias
     (Sm90GemmConfig(128, 256, 4, 4, 2), torch.bfloat16, False),  # quarter shares of each half
     (Sm90GemmConfig(256, 128, 4, 1, 1, 2), torch.bfloat16, False),  # 256 rows, a shared x tile
     (Sm90GemmConfig(256, 128, 4, 1, 2, 1, 128), torch.bfloat16, True),  # 128 rows a warpgroup, split
+    (Sm90GemmConfig(256, 192, 4, 1, 1, 1, 128), torch.bfloat16, False),  # 192 accumulators: setmaxnreg
 ]
 
 
@@ -145,7 +154,8 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     multicast where `cluster_m` > 1; no register spills; no memory barrier inside the k loop;
     with the activation, its exponential (MUFU.EX2) in the epilogue; programmatic dependent
     launch's wait (ACQBULK) and trigger (PREEXIT); unsplit, only 16-byte global stores (the
-    output tile through shared memory)."""
+    output tile through shared memory); where two consumer warpgroups' accumulators need them,
+    the producer's registers handed to them (USETMAXREG)."""
     src = source(cfg, dtype, bias, glu)
     usage = cuda_driver.ptxas_resource_usage(src)
     assert "C7515" not in usage and "0 bytes spill stores" in usage, usage
@@ -163,6 +173,10 @@ def test_compiles_for_hopper_without_spills_or_serialized_wgmma(cfg, dtype, bias
     assert "ACQBULK" in sass and "PREEXIT" in sass  # PDL: waits for the kernel before, lets the next start
     if cfg.split_k == 1:  # the output tile staged in shared memory, stored 16 bytes a thread
         assert set(re.findall(r"\bSTG\.[A-Z0-9.]+", sass)) == {"STG.E.128"}, sass
+    # two consumer warpgroups whose accumulators need it take the producer's registers: 40 (0x28)
+    # it, 232 (0xe8) each of them
+    realloc = sorted(re.findall(r"USETMAXREG\.(\w+)\.CTAPOOL (?:UP0, )?(0x[0-9a-f]+)", sass))
+    assert realloc == ([("DEALLOC", "0x28"), ("TRY_ALLOC", "0xe8")] if cfg.reallocates_registers else [])
 
 
 @pytest.mark.skipif(not (cuda_driver.nvcc_available() and cuda_driver.cuobjdump_available()),
