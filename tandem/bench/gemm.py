@@ -175,8 +175,8 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
 
 def wave_widths(tiles_m: int, N: int, sms: int, glu: bool = False, count: int = 2) -> tuple[int, ...]:
     """Where N's columns take more than one wave of tiles: the `count` tile widths (multiples
-    of 8 from 128 to 256 weight rows, half of them gate rows with `glu`) whose tiles fill the SMs' last
-    wave best, the widest first among equals (e.g. Qwen2.5-7B's gate/up at 256 rows: 144 rows,
+    of 8 from 128 to 256 weight rows, half of them gate rows with `glu`) whose tiles fill the
+    SMs' last wave best, the widest first among equals (e.g. Qwen2.5-7B's gate/up at 256 rows: 144 rows,
     264 tiles, two whole waves of 132 SMs, where 128 leaves the third wave 11% full)."""
     def busy(width: int) -> float:
         tiles = tiles_m * -(-N // (width // 2 if glu else width))
@@ -190,7 +190,8 @@ def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,
                     glu: bool = False) -> list[Sm90GemmConfig]:
     """The Hopper cluster GEMM's configs worth timing for M rows: its shape-based default, then
     tile heights (64 rows up to 64; 128 and, past 128, every row in one tile: 192 or 256; from
-    128 rows, in consumer warpgroups of 64 or 128 rows) x tile widths x multicast groups (of the
+    128 rows, in consumer warpgroups of 64 or 128 rows) x tile widths (a fixed few, and where
+    N's tiles take more than one wave the two that fill the last one best) x multicast groups (of the
     weight tile across M tiles, or of the x tile across N tiles) x K splits (a split only within
     one wave of CTAs, at least two 64-deep blocks of K each) x pipeline depths. With `glu` (gate/up
     with the activation fused, N output columns) the widths count weight rows, half of them gate
