@@ -176,14 +176,14 @@ def time_lt_algos(bench, shape, M, x, want, tol, cublas, args, floor: int) -> li
 def wave_widths(tiles_m: int, N: int, sms: int, glu: bool = False, count: int = 2) -> tuple[int, ...]:
     """Where N's columns take more than one wave of tiles: the `count` tile widths (multiples
     of 8 from 128 to 256 weight rows, half of them gate rows with `glu`) whose tiles fill the
-    SMs' last wave best, the widest first among equals (e.g. Qwen2.5-7B's gate/up at 256 rows: 144 rows,
-    264 tiles, two whole waves of 132 SMs, where 128 leaves the third wave 11% full)."""
-    def busy(width: int) -> float:
-        tiles = tiles_m * -(-N // (width // 2 if glu else width))
-        return tiles / (-(-tiles // sms) * sms)
+    SMs' last wave best, the widest first among equals (e.g. Qwen2.5-7B's gate/up at 256 rows:
+    144 rows, 264 tiles, two whole waves of 132 SMs, where 128 leaves the third wave 11% full)."""
+    def tiles(width: int) -> int:
+        return tiles_m * -(-N // (width // 2 if glu else width))
 
-    widths = [w for w in range(128, 257, 16 if glu else 8) if tiles_m * -(-N // (w // 2 if glu else w)) > sms]
-    return tuple(sorted(widths, key=lambda w: (-busy(w), -w))[:count])
+    widths = [w for w in range(128, 257, 16 if glu else 8) if tiles(w) > sms]
+    busy = {w: tiles(w) / (-(-tiles(w) // sms) * sms) for w in widths}
+    return tuple(sorted(widths, key=lambda w: (-busy[w], -w))[:count])
 
 
 def sm90_candidates(M: int, N: int, K: int, sms: int, quick: bool,

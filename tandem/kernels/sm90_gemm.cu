@@ -24,7 +24,7 @@
 // The host (tandem/kernels/sm90_gemm.py) prepends the macros BM, BN, STAGES, CONSUMERS, MSUB,
 // CLUSTER_M, CLUSTER_N, SPLIT_K, HAS_BIAS, ELEM_BF16, GLU, SM90_WATCHDOG (bring-up: a barrier wait that
 // never ends traps), SM90_TIMELINE (profiling: %globaltimer at each phase of each CTA into
-// `timeline`, TIMELINE_SLOTS a CTA; the slots are tandem/kernels/sm90_gemm.py's PHASES),
+// `timeline`, TIMELINE_SLOTS a CTA, the SM in slot SM_SLOT; the others are sm90_gemm.py's PHASES),
 // PRODUCER_REGS and CONSUMER_REGS (0: no register reallocation; else the producer warpgroup's
 // registers a thread drop to the first and the consumers' rise to the second) and the
 // function wgmma_tile() for BN. Grid: (M tiles, N tiles, SPLIT_K),
@@ -163,7 +163,6 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 #if SM90_TIMELINE
-#define TIMELINE_SLOTS 16
 // `value` into this CTA's `slot` (a row of TIMELINE_SLOTS a CTA, in grid order).
 __device__ __forceinline__ void record(u64* timeline, int slot, u64 value) {
   const u32 cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -290,7 +289,7 @@ tandem_sm90_gemm(const __grid_constant__ TmaDesc tmap_x, const __grid_constant__
     STAMP(0);  // entry
     u32 sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    record(timeline, 15, sm);  // the SM (sm90_gemm.py's SM_SLOT)
+    record(timeline, SM_SLOT, sm);  // the SM
   }
 #endif
 

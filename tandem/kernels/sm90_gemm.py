@@ -43,6 +43,7 @@ from tandem.kernels.decode_gemm_ref import linear_ref  # noqa: F401 (the referen
 
 BLOCK_K = 64
 PRODUCER_REGISTERS = 40  # the producer warpgroup's registers a thread after `setmaxnreg.dec`
+OTHER_REGISTERS = 28  # a consumer thread's registers besides its accumulators (about)
 MAX_SHARED = 227 * 1024  # an H100/H200 block's dynamic shared memory limit
 _SOURCE = os.path.join(os.path.dirname(__file__), "sm90_gemm.cu")
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -70,10 +71,11 @@ class Sm90GemmConfig:
         elif self.block_m not in (64, 128, 192, 256) or self.block_m % self.warpgroup_m:
             problems.append(f"block_m={self.block_m} (64, 128, 192 or 256, a multiple of "
                             f"warpgroup_m={self.warpgroup_m}: one to four consumer warpgroups)")
-        elif self.accumulators > self.consumer_registers - 28:
-            most = (self.consumer_registers - 28) * 128 // self.warpgroup_m
+        elif self.accumulators > self.consumer_registers - OTHER_REGISTERS:
+            most = (self.consumer_registers - OTHER_REGISTERS) * 128 // self.warpgroup_m
             problems.append(f"block_n={self.block_n} with block_m={self.block_m} (its "
-                            f"{self.accumulators} accumulators a thread and the kernel's ~28 other "
+                            f"{self.accumulators} accumulators a thread and the kernel's "
+                            f"~{OTHER_REGISTERS} other "
                             f"registers exceed the {self.consumer_registers} a consumer thread "
                             f"gets of {self.threads} threads: at most {most // 8 * 8})")
         if not (8 <= self.block_n <= 256 and self.block_n % 8 == 0):
@@ -132,7 +134,7 @@ class Sm90GemmConfig:
         """Whether the kernel hands the producer's registers to the consumers: only where the
         accumulators need more than a thread gets at launch (the others' machine code stays
         that of the kernel without it)."""
-        return self.consumers == 2 and self.accumulators > self.launch_registers - 28
+        return self.consumers == 2 and self.accumulators > self.launch_registers - OTHER_REGISTERS
 
     @property
     def cluster_size(self) -> int:
@@ -242,7 +244,7 @@ def source(cfg: Sm90GemmConfig, dtype: torch.dtype, has_bias: bool, glu: bool = 
               "CLUSTER_M": cfg.cluster_m, "CLUSTER_N": cfg.cluster_n, "SPLIT_K": cfg.split_k,
               "HAS_BIAS": int(has_bias),
               "ELEM_BF16": int(dtype == torch.bfloat16), "GLU": int(glu), "SM90_WATCHDOG": int(WATCHDOG),
-              "SM90_TIMELINE": int(timeline),
+              "SM90_TIMELINE": int(timeline), "TIMELINE_SLOTS": TIMELINE_SLOTS, "SM_SLOT": SM_SLOT,
               "PRODUCER_REGS": PRODUCER_REGISTERS,
               "CONSUMER_REGS": cfg.consumer_registers if cfg.reallocates_registers else 0}
     head = "".join(f"#define {k} {v}\n" for k, v in macros.items())
